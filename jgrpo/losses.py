@@ -1,0 +1,168 @@
+"""The GRPO objective: clipped importance ratio times advantage, plus a KL penalty.
+
+Pure `jax.numpy` on arrays: no model, no config objects, so any JAX codebase can use it.
+Shapes: B sequences (completions), T completion positions.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jgrpo._checks import check_choice, check_shape
+
+LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+RATIO_LEVELS = ("token", "sequence")
+
+
+def token_kl(
+    logprobs: jax.Array,  # f32[B, T]
+    ref_logprobs: jax.Array,  # f32[B, T]
+    *,
+    kl_estimator: str = "k3",
+) -> jax.Array:  # f32[B, T]
+    """Per-token estimate of KL(policy || reference) from sampled-token log-probs.
+
+    With d = ref_logprobs - logprobs:
+        k1 = -d               (unbiased, high variance, can be negative)
+        k2 = d**2 / 2         (biased, low variance)
+        k3 = exp(d) - d - 1   (unbiased, low variance, always >= 0; Schulman's estimator)
+    """
+    check_choice("kl_estimator", kl_estimator, KL_ESTIMATORS)
+    delta = ref_logprobs.astype(jnp.float32) - logprobs.astype(jnp.float32)
+    if kl_estimator == "k1":
+        return -delta
+    if kl_estimator == "k2":
+        return 0.5 * jnp.square(delta)
+    return jnp.exp(delta) - delta - 1.0
+
+
+def sequence_kl(
+    logprobs: jax.Array,  # f32[B, T]
+    ref_logprobs: jax.Array,  # f32[B, T]
+    mask: jax.Array,  # [B, T], nonzero on completion tokens
+    *,
+    kl_estimator: str = "k3",
+) -> jax.Array:  # f32[B]
+    """Sum over each sequence's completion tokens of the per-token KL estimate.
+
+    For the KL penalty placed in the reward (r_i - beta * KL_i) instead of the loss.
+    """
+    check_shape("logprobs", logprobs, ndim=2)
+    check_shape("ref_logprobs", ref_logprobs, like=("logprobs", logprobs))
+    check_shape("mask", mask, like=("logprobs", logprobs))
+    kl = token_kl(logprobs, ref_logprobs, kl_estimator=kl_estimator)
+    return jnp.where(mask.astype(bool), kl, 0.0).sum(axis=-1)
+
+
+def grpo_loss(
+    logprobs: jax.Array,  # f32[B, T] sampled tokens under the current policy
+    old_logprobs: jax.Array,  # f32[B, T] under the policy that sampled them
+    advantages: jax.Array,  # f32[B]
+    mask: jax.Array,  # [B, T], nonzero on completion tokens
+    *,
+    ref_logprobs: jax.Array | None = None,  # f32[B, T] under the frozen reference policy
+    loss_type: str = "grpo",
+    clip_eps: float = 0.2,
+    clip_eps_high: float | None = None,
+    beta: float = 0.04,
+    kl_estimator: str = "k3",
+    ratio_level: str = "token",
+    max_completion_length: int | None = None,
+    total_tokens: jax.Array | int | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Clipped-ratio policy loss with an optional KL penalty; returns (scalar loss, metrics).
+
+    Per completion token t of sequence i, with advantage A_i:
+
+        ratio_level="token":    r_t = exp(logprobs_t - old_logprobs_t)
+        ratio_level="sequence": r_t = exp(masked mean over i of (logprobs - old_logprobs)) (GSPO)
+        L_t = -min(r_t A_i, clip(r_t, 1 - clip_eps, 1 + clip_eps_high) A_i) + beta * KL_t
+
+    KL_t is `token_kl(logprobs, ref_logprobs, kl_estimator=...)`. On-policy (one update per
+    rollout) pass `old_logprobs=jax.lax.stop_gradient(logprobs)`, so r = 1 with gradient.
+
+    Aggregation of L over the mask m:
+        "grpo":    mean over sequences with >= 1 completion token of sum_t(L m) / sum_t(m)
+        "bnpo":    sum(L m) / sum(m) over this batch
+        "dapo":    sum(L m) / total_tokens, total_tokens being the completion-token count of
+                   the whole global batch (default: this batch's), so the losses and gradients
+                   of micro-batches add up exactly to those of the full batch
+        "dr_grpo": sum(L m) / (B * max_completion_length), max_completion_length default T
+
+    Metrics (scalars, no gradient): `clip_frac_low` (tokens with A < 0 and r < 1 - clip_eps),
+    `clip_frac_high` (A > 0 and r > 1 + clip_eps_high), `ratio_mean`, and `kl_mean` when
+    ref_logprobs is given; token averages over the mask.
+    """
+    check_choice("loss_type", loss_type, LOSS_TYPES)
+    check_choice("kl_estimator", kl_estimator, KL_ESTIMATORS)
+    check_choice("ratio_level", ratio_level, RATIO_LEVELS)
+    check_shape("logprobs", logprobs, ndim=2)
+    check_shape("old_logprobs", old_logprobs, like=("logprobs", logprobs))
+    check_shape("mask", mask, like=("logprobs", logprobs))
+    check_shape("advantages", advantages, shape=logprobs.shape[:1])
+    if ref_logprobs is not None:
+        check_shape("ref_logprobs", ref_logprobs, like=("logprobs", logprobs))
+    if beta < 0:
+        raise ValueError(f"beta must be >= 0 (0 disables the KL penalty), got {beta}.")
+    if beta > 0 and ref_logprobs is None:
+        raise ValueError(
+            f"beta={beta} > 0 needs ref_logprobs (log-probs under the reference policy); "
+            "pass them or set beta=0."
+        )
+    clip_eps_high = clip_eps if clip_eps_high is None else clip_eps_high
+    if not 0 < clip_eps < 1:
+        raise ValueError(f"clip_eps must be in (0, 1), got {clip_eps}.")
+    if clip_eps_high <= 0:
+        raise ValueError(f"clip_eps_high must be > 0 (None means clip_eps), got {clip_eps_high}.")
+    if max_completion_length is not None and max_completion_length < 1:
+        raise ValueError(f"max_completion_length must be >= 1, got {max_completion_length}.")
+
+    batch, length = logprobs.shape
+    weights = mask.astype(jnp.float32)  # [B, T]
+    logprobs = logprobs.astype(jnp.float32)
+    log_ratio = logprobs - old_logprobs.astype(jnp.float32)  # [B, T]
+    tokens_per_sequence = weights.sum(axis=-1)  # [B]
+    if ratio_level == "sequence":
+        sequence_log_ratio = (log_ratio * weights).sum(axis=-1) / jnp.maximum(
+            tokens_per_sequence, 1.0
+        )
+        log_ratio = jnp.broadcast_to(sequence_log_ratio[:, None], (batch, length))
+    ratio = jnp.exp(log_ratio)  # [B, T]
+
+    adv = advantages.astype(jnp.float32)[:, None]  # [B, 1]
+    clipped_ratio = jnp.clip(ratio, 1.0 - clip_eps, 1.0 + clip_eps_high)
+    per_token = -jnp.minimum(ratio * adv, clipped_ratio * adv)  # [B, T]
+    if ref_logprobs is not None:
+        kl = token_kl(logprobs, ref_logprobs, kl_estimator=kl_estimator)  # [B, T]
+        if beta > 0:
+            per_token = per_token + beta * kl
+
+    masked_sum = (per_token * weights).sum()
+    if loss_type == "grpo":
+        sequence_means = (per_token * weights).sum(axis=-1) / jnp.maximum(tokens_per_sequence, 1.0)
+        nonempty = (tokens_per_sequence > 0).astype(jnp.float32)
+        loss = (sequence_means * nonempty).sum() / jnp.maximum(nonempty.sum(), 1.0)
+    elif loss_type == "bnpo":
+        loss = masked_sum / jnp.maximum(weights.sum(), 1.0)
+    elif loss_type == "dapo":
+        normaliser = weights.sum() if total_tokens is None else total_tokens
+        loss = masked_sum / jnp.maximum(jnp.asarray(normaliser, jnp.float32), 1.0)
+    else:
+        max_length = length if max_completion_length is None else max_completion_length
+        loss = masked_sum / (batch * max_length)
+
+    def token_mean(values):
+        return jax.lax.stop_gradient((values * weights).sum() / jnp.maximum(weights.sum(), 1.0))
+
+    metrics = {
+        "clip_frac_low": token_mean(((ratio < 1.0 - clip_eps) & (adv < 0)).astype(jnp.float32)),
+        "clip_frac_high": token_mean(
+            ((ratio > 1.0 + clip_eps_high) & (adv > 0)).astype(jnp.float32)
+        ),
+        "ratio_mean": token_mean(ratio),
+    }
+    if ref_logprobs is not None:
+        metrics["kl_mean"] = token_mean(kl)
+    return loss, metrics

@@ -1,0 +1,178 @@
+"""token_logprobs against torch, and the vocab-chunked twin against token_logprobs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import jgrpo
+from jgrpo.logprobs import _vocab_layout
+
+
+def random_logits(shape, seed=0, dtype=jnp.float32):
+    return jax.random.normal(jax.random.key(seed), shape, jnp.float32).astype(dtype) * 3.0
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 1.3])
+def test_token_logprobs_match_torch(temperature):
+    logits = random_logits((3, 5, 50))
+    targets = jax.random.randint(jax.random.key(1), (3, 5), 0, 50)
+    logprobs, entropy = jgrpo.token_logprobs(logits, targets, temperature=temperature)
+
+    scaled = torch.from_numpy(np.array(logits)) / temperature
+    log_softmax = torch.log_softmax(scaled, dim=-1)
+    expected = log_softmax.gather(-1, torch.from_numpy(np.array(targets)).long()[..., None])
+    expected_entropy = torch.distributions.Categorical(logits=scaled).entropy()
+    assert logprobs.dtype == entropy.dtype == jnp.float32
+    np.testing.assert_allclose(logprobs, expected[..., 0].numpy(), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(entropy, expected_entropy.numpy(), rtol=1e-6, atol=1e-6)
+
+
+def test_bf16_logits_are_scored_in_f32():
+    logits = random_logits((2, 4, 33), dtype=jnp.bfloat16)
+    targets = jnp.zeros((2, 4), jnp.int32)
+    logprobs, entropy = jgrpo.token_logprobs(logits, targets)
+    reference = jgrpo.token_logprobs(logits.astype(jnp.float32), targets)
+    assert logprobs.dtype == entropy.dtype == jnp.float32
+    np.testing.assert_array_equal(logprobs, reference[0])
+    np.testing.assert_array_equal(entropy, reference[1])
+
+
+def hidden_and_unembedding(batch, length, dim, vocab, seed=0, dtype=jnp.float32):
+    """Realistic scales: unit hidden states, unembedding ~ 1/sqrt(dim)."""
+    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+    hidden = jax.random.normal(k1, (batch, length, dim)).astype(dtype)
+    unembedding = (jax.random.normal(k2, (dim, vocab)) * 2.0 / dim**0.5).astype(dtype)
+    targets = jax.random.randint(k3, (batch, length), 0, vocab)
+    return hidden, unembedding, targets
+
+
+# (vocab, chunk_size): a divisor exists; a prime vocabulary (padded); chunk larger than V.
+@pytest.mark.parametrize(("vocab", "chunk_size"), [(96, 16), (97, 16), (40, 4096)])
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_chunked_matches_values_and_gradients(vocab, chunk_size, temperature):
+    hidden, unembedding, targets = hidden_and_unembedding(3, 7, 16, vocab)
+    weights = jax.random.normal(jax.random.key(5), (2, 3, 7))
+
+    def objective(fn):
+        def scalar(hidden, unembedding):
+            logprobs, entropy = fn(hidden, unembedding)
+            return (weights[0] * logprobs).sum() + (weights[1] * entropy).sum()
+
+        return scalar
+
+    def full(h, w):
+        return jgrpo.token_logprobs(h @ w, targets, temperature=temperature)
+
+    def chunked(h, w):
+        return jgrpo.chunked_token_logprobs(
+            h, w, targets, temperature=temperature, chunk_size=chunk_size
+        )
+
+    values = jax.jit(chunked)(hidden, unembedding), jax.jit(full)(hidden, unembedding)
+    for got, expected in zip(*values, strict=True):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    got_grads = jax.jit(jax.grad(objective(chunked), argnums=(0, 1)))(hidden, unembedding)
+    expected_grads = jax.jit(jax.grad(objective(full), argnums=(0, 1)))(hidden, unembedding)
+    for got, expected in zip(got_grads, expected_grads, strict=True):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_chunked_under_jit_and_vmap():
+    hidden, unembedding, targets = hidden_and_unembedding(4, 5, 8, 64, seed=3)
+    fn = lambda h, t: jgrpo.chunked_token_logprobs(h, unembedding, t, chunk_size=16)
+    eager = fn(hidden, targets)
+    jitted = jax.jit(fn)(hidden, targets)
+    vmapped = jax.jit(jax.vmap(fn))(hidden[:, None], targets[:, None])  # vmapped [1, T] rows
+    for a, b, c in zip(eager, jitted, vmapped, strict=True):
+        np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(c[:, 0], a, rtol=1e-6, atol=1e-6)
+
+
+def test_chunked_keeps_parameter_dtypes_for_bf16():
+    hidden, unembedding, targets = hidden_and_unembedding(2, 3, 8, 32, dtype=jnp.bfloat16)
+    logprobs, entropy = jax.jit(
+        lambda h, w: jgrpo.chunked_token_logprobs(h, w, targets, chunk_size=8)
+    )(hidden, unembedding)
+    assert logprobs.dtype == entropy.dtype == jnp.float32
+    grads = jax.jit(
+        jax.grad(
+            lambda h, w: jgrpo.chunked_token_logprobs(h, w, targets, chunk_size=8)[0].sum(),
+            argnums=(0, 1),
+        )
+    )(hidden, unembedding)
+    assert grads[0].dtype == grads[1].dtype == jnp.bfloat16
+    # Same values as scoring the bf16 product accumulated in f32.
+    logits = jnp.dot(hidden, unembedding, preferred_element_type=jnp.float32)
+    np.testing.assert_allclose(logprobs, jgrpo.token_logprobs(logits, targets)[0], atol=1e-5)
+
+
+def test_chunked_memory_is_under_a_quarter_of_full_logits():
+    """B=4, T=512, V=65536: f32 logits would take 512 MiB."""
+    batch, length, dim, vocab = 4, 512, 64, 65536
+    hidden = jax.ShapeDtypeStruct((batch, length, dim), jnp.float32)
+    unembedding = jax.ShapeDtypeStruct((dim, vocab), jnp.float32)
+    targets = jax.ShapeDtypeStruct((batch, length), jnp.int32)
+    logits_bytes = batch * length * vocab * 4
+
+    def forward(h, w, t):
+        return jgrpo.chunked_token_logprobs(h, w, t)
+
+    def loss(h, w, t):
+        logprobs, entropy = jgrpo.chunked_token_logprobs(h, w, t)
+        return logprobs.sum() + 0.01 * entropy.sum()
+
+    for fn in (forward, jax.grad(loss, argnums=(0, 1))):
+        compiled = jax.jit(fn).lower(hidden, unembedding, targets).compile()
+        temp_bytes = compiled.memory_analysis().temp_size_in_bytes
+        assert temp_bytes < logits_bytes / 4, (fn, temp_bytes / 2**20)
+
+    # And the unchunked function really does materialise them (the comparison is meaningful).
+    full = jax.jit(lambda h, w, t: jgrpo.token_logprobs(h @ w, t))
+    temp_bytes = full.lower(hidden, unembedding, targets).compile().memory_analysis()
+    assert temp_bytes.temp_size_in_bytes >= logits_bytes
+
+
+def test_vocab_layout():
+    # Qwen2.5 / Qwen3 vocabulary: 151936 = 64 chunks of 2374, no padding.
+    assert _vocab_layout(151936, 4096) == (151936, 64, 2374)
+    assert _vocab_layout(128256, 4096) == (128256, 32, 4008)  # Llama 3
+    assert _vocab_layout(97, 16) == (97, 7, 14)  # prime: padded to 98
+    assert _vocab_layout(40, 4096) == (40, 1, 40)
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (
+            lambda: jgrpo.token_logprobs(
+                jnp.zeros((2, 3, 5)), jnp.zeros((2, 3), int), temperature=0.0
+            ),
+            "temperature must be > 0",
+        ),
+        (
+            lambda: jgrpo.token_logprobs(jnp.zeros((2, 3, 5)), jnp.zeros((2, 4), int)),
+            r"targets must have shape \(2, 3\)",
+        ),
+        (
+            lambda: jgrpo.token_logprobs(jnp.zeros((2, 3, 5)), jnp.zeros((2, 3))),
+            "targets must hold integer token ids",
+        ),
+        (
+            lambda: jgrpo.chunked_token_logprobs(
+                jnp.zeros((2, 3, 4)), jnp.zeros((5, 4)), jnp.zeros((2, 3), int)
+            ),
+            r"unembedding is \[D, V\]",
+        ),
+        (
+            lambda: jgrpo.chunked_token_logprobs(
+                jnp.zeros((2, 3, 4)), jnp.zeros((4, 9)), jnp.zeros((2, 3), int), chunk_size=0
+            ),
+            "chunk_size must be a positive int",
+        ),
+    ],
+)
+def test_bad_input_names_the_argument(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()

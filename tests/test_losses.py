@@ -1,0 +1,285 @@
+"""grpo_loss, token_kl and sequence_kl against hand-computed values."""
+
+import itertools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jgrpo
+
+# Two sequences of three positions. Log-ratios (logprobs - old): row 0 [0.5, 0.0, pad],
+# row 1 [-0.3, 0.1, 0.25]. With clip_eps 0.2: exp(0.5)=1.65 is above 1.2 (clipped for A>0),
+# exp(-0.3)=0.74 is below 0.8 (clipped for A<0), exp(0.25)=1.28 is above 1.2 but A<0.
+LOGPROBS = [[-1.0, -0.5, -2.0], [-0.6, -1.1, -0.7]]
+OLD = [[-1.5, -0.5, -1.0], [-0.3, -1.2, -0.95]]
+REF = [[-0.9, -0.8, -2.0], [-0.5, -1.2, -0.4]]
+MASK = [[1, 1, 0], [1, 1, 1]]
+ADVANTAGES = [1.0, -0.5]
+
+
+def kl_value(logprob, ref, estimator):
+    d = ref - logprob
+    return {"k1": -d, "k2": d * d / 2, "k3": math.exp(d) - d - 1}[estimator]
+
+
+def reference_loss(loss_type, ratio_level, kl_estimator, *, beta, clip_eps_high=0.2):
+    """Element by element in plain Python floats."""
+    clip_eps = 0.2
+    per_token = [[0.0] * 3 for _ in range(2)]
+    for i in range(2):
+        n_tokens = sum(MASK[i])
+        seq_log_ratio = sum((LOGPROBS[i][t] - OLD[i][t]) * MASK[i][t] for t in range(3)) / n_tokens
+        for t in range(3):
+            log_ratio = seq_log_ratio if ratio_level == "sequence" else LOGPROBS[i][t] - OLD[i][t]
+            r = math.exp(log_ratio)
+            a = ADVANTAGES[i]
+            clipped = min(max(r, 1 - clip_eps), 1 + clip_eps_high)
+            loss = -min(r * a, clipped * a)
+            loss += beta * kl_value(LOGPROBS[i][t], REF[i][t], kl_estimator)
+            per_token[i][t] = loss * MASK[i][t]
+    sums = [sum(row) for row in per_token]
+    if loss_type == "grpo":
+        return sum(s / sum(m) for s, m in zip(sums, MASK, strict=True)) / 2
+    if loss_type in ("bnpo", "dapo"):
+        return sum(sums) / 5
+    return sum(sums) / (2 * 3)  # dr_grpo: B * T
+
+
+def arrays():
+    return (
+        jnp.array(LOGPROBS),
+        jnp.array(OLD),
+        jnp.array(ADVANTAGES),
+        jnp.array(MASK),
+    )
+
+
+@pytest.mark.parametrize(
+    ("loss_type", "ratio_level", "kl_estimator"),
+    list(
+        itertools.product(
+            ["grpo", "bnpo", "dapo", "dr_grpo"], ["token", "sequence"], ["k1", "k2", "k3"]
+        )
+    ),
+)
+def test_every_combination_against_hand_computation(loss_type, ratio_level, kl_estimator):
+    logprobs, old, advantages, mask = arrays()
+    for beta, clip_eps_high in [(0.04, None), (0.5, 0.28)]:
+        loss, metrics = jgrpo.grpo_loss(
+            logprobs,
+            old,
+            advantages,
+            mask,
+            ref_logprobs=jnp.array(REF),
+            loss_type=loss_type,
+            ratio_level=ratio_level,
+            kl_estimator=kl_estimator,
+            beta=beta,
+            clip_eps_high=clip_eps_high,
+        )
+        expected = reference_loss(
+            loss_type, ratio_level, kl_estimator, beta=beta, clip_eps_high=clip_eps_high or 0.2
+        )
+        np.testing.assert_allclose(loss, expected, rtol=1e-6)
+        kl_tokens = [
+            kl_value(LOGPROBS[i][t], REF[i][t], kl_estimator)
+            for i in range(2)
+            for t in range(3)
+            if MASK[i][t]
+        ]
+        np.testing.assert_allclose(metrics["kl_mean"], sum(kl_tokens) / 5, rtol=1e-6)
+
+
+def test_literal_values():
+    """A few numbers worked out by hand, independent of the reference function."""
+    logprobs, old, advantages, mask = arrays()
+    # beta = 0, grpo, token ratios:
+    # row 0: A=1, r=(e^0.5, 1) -> clipped (1.2, 1): token losses (-1.2, -1), mean -1.1
+    # row 1: A=-0.5, r=(e^-0.3, e^0.1, e^0.25): min(rA, clip(r)A) = (-0.4, -0.5*e^0.1, -0.5*e^0.25)
+    #        losses (0.4, 0.552585, 0.642013), mean 0.531533
+    loss, metrics = jgrpo.grpo_loss(logprobs, old, advantages, mask, beta=0.0)
+    np.testing.assert_allclose(loss, (-1.1 + 0.531533) / 2, rtol=1e-5)
+    np.testing.assert_allclose(metrics["clip_frac_high"], 1 / 5)  # row 0 token 0
+    np.testing.assert_allclose(metrics["clip_frac_low"], 1 / 5)  # row 1 token 0
+    ratios = [math.exp(0.5), 1.0, math.exp(-0.3), math.exp(0.1), math.exp(0.25)]
+    np.testing.assert_allclose(metrics["ratio_mean"], sum(ratios) / 5, rtol=1e-6)
+    assert "kl_mean" not in metrics
+    # dr_grpo divides the masked sum (-2.2 + 1.594598) by B * max_completion_length = 2 * 10.
+    loss, _ = jgrpo.grpo_loss(
+        logprobs, old, advantages, mask, beta=0.0, loss_type="dr_grpo", max_completion_length=10
+    )
+    np.testing.assert_allclose(loss, (-2.2 + 1.594598) / 20, rtol=1e-5)
+
+
+def test_on_policy_gradient_is_the_policy_gradient():
+    """With old = stop_gradient(logprobs), r = 1 and dL/dlogprob_t = -A_i / n_i for grpo."""
+    logprobs, _, advantages, mask = arrays()
+
+    def loss(lp):
+        return jgrpo.grpo_loss(lp, jax.lax.stop_gradient(lp), advantages, mask, beta=0.0)[0]
+
+    np.testing.assert_allclose(loss(logprobs), -(1.0 - 0.5) / 2, rtol=1e-6)
+    grad = jax.grad(loss)(logprobs)
+    expected = -np.array(ADVANTAGES)[:, None] * np.array(MASK) / np.array([[2], [3]]) / 2
+    np.testing.assert_allclose(grad, expected, rtol=1e-6)
+
+
+@pytest.mark.parametrize("clip_eps_high", [None, 0.28])
+def test_clipped_tokens_get_zero_gradient(clip_eps_high):
+    high = 0.2 if clip_eps_high is None else clip_eps_high
+    log_ratios = jnp.log(jnp.array([[1.5, 1.0 + high + 0.01, 1.1, 0.5], [0.5, 0.79, 0.9, 1.5]]))
+    old = jnp.zeros((2, 4))
+    advantages = jnp.array([1.0, -1.0])
+    mask = jnp.ones((2, 4))
+
+    grad = jax.grad(
+        lambda lp: jgrpo.grpo_loss(
+            lp, old, advantages, mask, beta=0.0, clip_eps_high=clip_eps_high
+        )[0]
+    )(log_ratios)
+    # A > 0: ratios above 1 + clip_eps_high get no gradient; below 1 - clip_eps still do.
+    np.testing.assert_array_equal(np.asarray(grad)[0] == 0, [True, True, False, False])
+    # A < 0: ratios below 1 - clip_eps get no gradient; above 1 + clip_eps still do.
+    np.testing.assert_array_equal(np.asarray(grad)[1] == 0, [True, True, False, False])
+
+
+def test_dapo_microbatch_gradients_sum_to_full_batch():
+    rng = np.random.default_rng(0)
+    logprobs = jnp.asarray(rng.normal(size=(4, 6)) - 1.0, jnp.float32)
+    old = logprobs + jnp.asarray(rng.normal(scale=0.3, size=(4, 6)), jnp.float32)
+    ref = logprobs + jnp.asarray(rng.normal(scale=0.3, size=(4, 6)), jnp.float32)
+    advantages = jnp.asarray(rng.normal(size=4), jnp.float32)
+    mask = jnp.asarray(np.arange(6)[None, :] < np.array([[6], [2], [4], [1]]), jnp.float32)
+    total_tokens = mask.sum()
+
+    def loss(lp, rows):
+        return jgrpo.grpo_loss(
+            lp,
+            old[rows],
+            advantages[rows],
+            mask[rows],
+            ref_logprobs=ref[rows],
+            loss_type="dapo",
+            total_tokens=total_tokens,
+        )[0]
+
+    full_loss, full_grad = jax.value_and_grad(loss)(logprobs, slice(0, 4))
+    first_loss, first_grad = jax.value_and_grad(loss)(logprobs[:2], slice(0, 2))
+    second_loss, second_grad = jax.value_and_grad(loss)(logprobs[2:], slice(2, 4))
+    np.testing.assert_allclose(first_loss + second_loss, full_loss, rtol=1e-6)
+    np.testing.assert_allclose(
+        np.concatenate([first_grad, second_grad]), full_grad, rtol=1e-6, atol=1e-9
+    )
+    # Without total_tokens each micro-batch normalises by its own count: not the same.
+    own = jgrpo.grpo_loss(
+        logprobs[:2], old[:2], advantages[:2], mask[:2], ref_logprobs=ref[:2], loss_type="dapo"
+    )[0]
+    assert not np.isclose(own, first_loss)
+
+
+def test_grpo_ignores_rows_without_completion_tokens():
+    logprobs, old, advantages, mask = arrays()
+    base, _ = jgrpo.grpo_loss(logprobs, old, advantages, mask, beta=0.0)
+    padded, _ = jgrpo.grpo_loss(
+        jnp.concatenate([logprobs, jnp.full((1, 3), -3.0)]),
+        jnp.concatenate([old, jnp.zeros((1, 3))]),
+        jnp.concatenate([advantages, jnp.array([5.0])]),
+        jnp.concatenate([mask, jnp.zeros((1, 3), int)]),
+        beta=0.0,
+    )
+    np.testing.assert_allclose(padded, base, rtol=1e-6)
+
+
+@pytest.mark.parametrize("kl_estimator", ["k1", "k2", "k3"])
+def test_sequence_kl(kl_estimator):
+    logprobs, _, _, mask = arrays()
+    got = jgrpo.sequence_kl(logprobs, jnp.array(REF), mask, kl_estimator=kl_estimator)
+    expected = [
+        sum(kl_value(LOGPROBS[i][t], REF[i][t], kl_estimator) * MASK[i][t] for t in range(3))
+        for i in range(2)
+    ]
+    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-7)
+
+
+def test_k3_is_nonnegative_and_zero_at_reference():
+    lp = jnp.linspace(-5.0, 0.0, 11)
+    np.testing.assert_array_equal(jgrpo.token_kl(lp, lp), 0.0)
+    assert np.all(np.asarray(jgrpo.token_kl(lp, lp[::-1])) >= 0)
+
+
+def test_jit_and_vmap_agree_with_eager():
+    logprobs, old, advantages, mask = arrays()
+    ref = jnp.array(REF)
+    fn = lambda lp, o, a, m, r: jgrpo.grpo_loss(lp, o, a, m, ref_logprobs=r, loss_type="bnpo")
+    eager_loss, eager_metrics = fn(logprobs, old, advantages, mask, ref)
+    jit_loss, jit_metrics = jax.jit(fn)(logprobs, old, advantages, mask, ref)
+    np.testing.assert_allclose(jit_loss, eager_loss, rtol=1e-6)
+    for key in eager_metrics:
+        np.testing.assert_allclose(jit_metrics[key], eager_metrics[key], rtol=1e-6)
+    stacked = [jnp.stack([x, x * 0.5]) for x in (logprobs, old, advantages, mask, ref)]
+    vmapped, _ = jax.vmap(fn)(*stacked)
+    for k in range(2):
+        single, _ = fn(*(x[k] for x in stacked))
+        np.testing.assert_allclose(vmapped[k], single, rtol=1e-6)
+
+
+def test_total_tokens_may_be_a_traced_array():
+    logprobs, old, advantages, mask = arrays()
+    loss = jax.jit(
+        lambda n: jgrpo.grpo_loss(
+            logprobs, old, advantages, mask, beta=0.0, loss_type="dapo", total_tokens=n
+        )[0]
+    )
+    np.testing.assert_allclose(loss(10) * 2, loss(5), rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(loss_type="ppo"), "loss_type must be one of 'grpo', 'bnpo', 'dapo', 'dr_grpo'"),
+        (dict(kl_estimator="k4"), "kl_estimator must be one of 'k1', 'k2', 'k3'"),
+        (dict(ratio_level="group"), "ratio_level must be one of 'token', 'sequence'"),
+        (dict(ref_logprobs=None), r"beta=0.04 > 0 needs ref_logprobs"),
+        (dict(beta=-0.1), "beta must be >= 0"),
+        (dict(clip_eps=0.0), r"clip_eps must be in \(0, 1\)"),
+        (dict(clip_eps_high=-0.1), "clip_eps_high must be > 0"),
+        (
+            dict(old_logprobs=jnp.zeros((2, 4))),
+            r"old_logprobs must have the same shape as logprobs",
+        ),
+        (dict(mask=jnp.ones((3, 3))), "mask must have the same shape as logprobs"),
+        (dict(advantages=jnp.zeros((2, 1))), r"advantages must have shape \(2,\)"),
+        (dict(ref_logprobs=jnp.zeros((2,))), "ref_logprobs must have the same shape as logprobs"),
+        (dict(logprobs=jnp.zeros((2, 3, 1))), "logprobs must have 2 dimensions"),
+        (dict(max_completion_length=0), "max_completion_length must be >= 1"),
+    ],
+)
+def test_bad_input_names_the_argument(kwargs, message):
+    logprobs, old, advantages, mask = arrays()
+    args = dict(logprobs=logprobs, old_logprobs=old, advantages=advantages, mask=mask)
+    args["ref_logprobs"] = jnp.array(REF)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=message):
+        jgrpo.grpo_loss(
+            args.pop("logprobs"),
+            args.pop("old_logprobs"),
+            args.pop("advantages"),
+            args.pop("mask"),
+            **args,
+        )
+
+
+def test_aggregation_example_in_docs():
+    """docs/objective.md: row 0 has loss 1 on 2 tokens, row 1 has 0.5 on 4, row 2 is padding."""
+    mask = jnp.array([[1, 1, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0]])
+    advantages = jnp.array([-1.0, -0.5, 0.0])  # on-policy ratio 1: per-token loss is -A
+    zeros = jnp.zeros((3, 4))
+    expected = {"grpo": 0.75, "bnpo": 4 / 6, "dapo": 4 / 12, "dr_grpo": 4 / 12}
+    for loss_type, value in expected.items():
+        loss, _ = jgrpo.grpo_loss(
+            zeros, zeros, advantages, mask, beta=0.0, loss_type=loss_type, total_tokens=12
+        )
+        np.testing.assert_allclose(loss, value, rtol=1e-6)

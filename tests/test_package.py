@@ -1,0 +1,77 @@
+"""The package as users meet it: public names, the README example, the quickstart, the layout."""
+
+import pathlib
+import re
+import subprocess
+import sys
+
+import jax
+import numpy as np
+
+import jgrpo
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PUBLIC = [
+    "group_advantages",
+    "group_statistics",
+    "grpo_loss",
+    "token_kl",
+    "sequence_kl",
+    "token_logprobs",
+    "chunked_token_logprobs",
+]
+
+
+def test_conftest_forces_eight_cpu_devices():
+    assert jax.device_count() == 8
+
+
+def test_public_api_is_exported():
+    for name in PUBLIC:
+        assert callable(getattr(jgrpo, name)), name
+        assert name in jgrpo.__all__
+
+
+def test_pure_objective_does_not_import_flax():
+    """Other JAX codebases import the objective without pulling in the model stack."""
+    code = "import sys, jgrpo; print(sorted(m for m in ('flax', 'models') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_readme_example_runs_and_its_comment_is_true():
+    readme = (ROOT / "README.md").read_text()
+    (block,) = re.findall(r"```python\n(.*?)```", readme, flags=re.S)
+    namespace = {}
+    exec(compile(block, "README.md", "exec"), namespace)
+    np.testing.assert_allclose(
+        namespace["advantages"], [-1.34, -0.45, 0.45, 1.34, -1.0, 1.0], atol=5e-3
+    )
+    assert np.isfinite(namespace["loss"])
+
+
+def test_quickstart_script_runs():
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "quickstart.py")],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+    )
+    assert "advantages: [-1.34, -0.45, 0.45, 1.34, 0.0, 0.0, 0.0, 0.0]" in out.stdout
+    assert "loss:" in out.stdout
+
+
+def test_top_level_layout():
+    for path in [
+        "pyproject.toml",
+        "README.md",
+        "jgrpo",
+        "models",
+        "configs",
+        "scripts",
+        "tests",
+        "colab",
+        ".ci/run",
+    ]:
+        assert (ROOT / path).exists(), path
