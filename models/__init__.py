@@ -1,5 +1,19 @@
-"""Flax NNX decoders (Llama, Qwen2/2.5, Qwen3) with HF checkpoint import/export.
+"""Flax NNX decoders (Llama, Qwen2/2.5, Qwen3) with Hugging Face checkpoint import/export."""
 
-The model layer arrives with the models issue; the package exists so that the distribution's
-layout is fixed from the start.
-"""
+from models.config import PRESETS, Llama3RopeScaling, ModelConfig, preset
+from models.hf import CheckpointError, from_pretrained, save_pretrained
+from models.transformer import KVCache, Transformer, forward, init_cache
+
+__all__ = [
+    "PRESETS",
+    "CheckpointError",
+    "KVCache",
+    "Llama3RopeScaling",
+    "ModelConfig",
+    "Transformer",
+    "forward",
+    "from_pretrained",
+    "init_cache",
+    "preset",
+    "save_pretrained",
+]

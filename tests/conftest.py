@@ -9,3 +9,21 @@ os.environ["XLA_FLAGS"] = " ".join(
 import jax  # noqa: E402  (must come after XLA_FLAGS is set)
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoint(tmp_path_factory):
+    """family -> (directory of a tiny saved HF checkpoint with a tokenizer, its torch model)."""
+    from tiny_hf import save_checkpoint
+
+    made = {}
+
+    def make(family):
+        if family not in made:
+            directory = tmp_path_factory.mktemp(family)
+            made[family] = directory, save_checkpoint(family, directory, with_tokenizer=True)
+        return made[family]
+
+    return make

@@ -39,15 +39,27 @@ def test_pure_objective_does_not_import_flax():
     assert out.stdout.strip() == "[]"
 
 
-def test_readme_example_runs_and_its_comment_is_true():
-    readme = (ROOT / "README.md").read_text()
-    (block,) = re.findall(r"```python\n(.*?)```", readme, flags=re.S)
+def readme_blocks():
+    return re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+
+
+def test_readme_objective_example_runs_and_its_comment_is_true():
     namespace = {}
-    exec(compile(block, "README.md", "exec"), namespace)
+    exec(compile(readme_blocks()[0], "README.md", "exec"), namespace)
     np.testing.assert_allclose(
         namespace["advantages"], [-1.34, -0.45, 0.45, 1.34, -1.0, 1.0], atol=5e-3
     )
     assert np.isfinite(namespace["loss"])
+
+
+def test_readme_models_example_runs():
+    namespace = {}
+    exec(compile(readme_blocks()[1], "README.md", "exec"), namespace)
+    logits = np.asarray(namespace["logits"])
+    assert logits.shape == (1, 4, 256)
+    np.testing.assert_allclose(namespace["prefill_logits"], logits[:, :3], atol=1e-5)
+    np.testing.assert_allclose(namespace["step_logits"], logits[:, 3:], atol=1e-5)
+    assert namespace["reloaded"].layers.q_kernel[...].dtype == np.dtype("bfloat16")
 
 
 def test_quickstart_script_runs():

@@ -1,0 +1,282 @@
+"""Hugging Face checkpoints in and out: config.json + safetensors, strictly checked.
+
+One table maps every parameter of `Transformer` to its HF tensor name. HF stores linear
+weights as [out, in]; ours are [in, ...out] kernels, so 2-D HF weights are transposed and
+every tensor is reshaped to the other side's shape. Nothing else is special-cased.
+
+Only safetensors are read: pickle-based `.bin` files are refused, `trust_remote_code` never
+happens. Loading goes tensor by tensor from memory-mapped files into one stacked buffer per
+parameter, so host memory peaks near one copy of the model plus its largest parameter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pathlib
+import shutil
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from models.config import ModelConfig
+from models.transformer import Transformer, _layer_param_specs
+
+# Our parameter -> HF tensor name; "{i}" is the layer index of a stacked layer parameter.
+_LAYER = "model.layers.{i}."
+PARAM_TO_HF: dict[str, str] = {
+    "embed": "model.embed_tokens.weight",
+    "final_norm": "model.norm.weight",
+    "lm_head": "lm_head.weight",
+    "layers.attn_norm": _LAYER + "input_layernorm.weight",
+    "layers.q_kernel": _LAYER + "self_attn.q_proj.weight",
+    "layers.k_kernel": _LAYER + "self_attn.k_proj.weight",
+    "layers.v_kernel": _LAYER + "self_attn.v_proj.weight",
+    "layers.o_kernel": _LAYER + "self_attn.o_proj.weight",
+    "layers.q_bias": _LAYER + "self_attn.q_proj.bias",
+    "layers.k_bias": _LAYER + "self_attn.k_proj.bias",
+    "layers.v_bias": _LAYER + "self_attn.v_proj.bias",
+    "layers.q_norm": _LAYER + "self_attn.q_norm.weight",
+    "layers.k_norm": _LAYER + "self_attn.k_norm.weight",
+    "layers.mlp_norm": _LAYER + "post_attention_layernorm.weight",
+    "layers.gate_kernel": _LAYER + "mlp.gate_proj.weight",
+    "layers.up_kernel": _LAYER + "mlp.up_proj.weight",
+    "layers.down_kernel": _LAYER + "mlp.down_proj.weight",
+}
+# Tensors some checkpoints carry that hold nothing to load (recomputed buffers).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match the architecture its config.json declares."""
+
+
+def _param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Shape of every parameter of Transformer(config), by its path in PARAM_TO_HF."""
+    shapes = {
+        "embed": (config.vocab_size, config.hidden_size),
+        "final_norm": (config.hidden_size,),
+    }
+    if not config.tie_word_embeddings:
+        shapes["lm_head"] = (config.hidden_size, config.vocab_size)
+    for name, (shape, _) in _layer_param_specs(config).items():
+        shapes[f"layers.{name}"] = shape  # per layer; stacked along a leading axis
+    return shapes
+
+
+def _hf_names(path: str, config: ModelConfig) -> list[str]:
+    template = PARAM_TO_HF[path]
+    if path.startswith("layers."):
+        return [template.format(i=i) for i in range(config.num_layers)]
+    return [template]
+
+
+def _hf_shape(path: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """HF layout of one (per-layer) parameter: kernels are [out, in], the rest flattened."""
+    if path.endswith("kernel") or path == "lm_head":
+        inputs = shape[0] if path != "layers.o_kernel" else shape[0] * shape[1]
+        return (int(np.prod(shape)) // inputs, inputs)
+    if path.endswith("bias"):
+        return (int(np.prod(shape)),)
+    return shape
+
+
+def _to_ours(tensor: np.ndarray, path: str, shape: tuple[int, ...]) -> np.ndarray:
+    return (tensor.T if tensor.ndim == 2 and path != "embed" else tensor).reshape(shape)
+
+
+def _to_hf(value: np.ndarray, path: str, shape: tuple[int, ...]) -> np.ndarray:
+    hf_shape = _hf_shape(path, shape)
+    if len(hf_shape) == 2 and path != "embed":
+        return np.ascontiguousarray(value.reshape(hf_shape[::-1]).T)
+    return value.reshape(hf_shape)
+
+
+def _resolve(path: str | os.PathLike) -> pathlib.Path:
+    """A local directory, or a hub name downloaded (or found in the HF cache)."""
+    local = pathlib.Path(path)
+    if local.is_dir():
+        return local
+    if local.exists() or str(path).startswith((".", "/")):
+        raise FileNotFoundError(f"{path} is not a directory with config.json and safetensors.")
+    from huggingface_hub import snapshot_download  # only for hub names
+
+    patterns = ["config.json", "*.safetensors", "*.safetensors.index.json", *TOKENIZER_FILES]
+    return pathlib.Path(snapshot_download(str(path), allow_patterns=patterns))
+
+
+def _tensor_files(directory: pathlib.Path) -> dict[str, pathlib.Path]:
+    """HF tensor name -> the safetensors file holding it."""
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: directory / file for name, file in weight_map.items()}
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        others = sorted(p.name for p in directory.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
+        hint = (
+            f" It has {', '.join(others)}: pickle checkpoints are not read (they can run code); "
+            "convert them with transformers' save_pretrained(..., safe_serialization=True)."
+            if others
+            else ""
+        )
+        raise CheckpointError(f"no .safetensors files in {directory}.{hint}")
+    names = {}
+    for file in files:
+        with safe_open(file, framework="np") as f:
+            names.update(dict.fromkeys(f.keys(), file))
+    return names
+
+
+def _check_names(expected: set[str], available: set[str], directory, tied: bool) -> None:
+    unexpected = {n for n in available - expected if not n.endswith(_IGNORED_SUFFIXES)}
+    if tied:
+        unexpected.discard("lm_head.weight")  # a tied model may also store its copy
+    missing = expected - available
+    if missing or unexpected:
+
+        def listing(names):
+            names = sorted(names)
+            more = f" (+{len(names) - 10} more)" if len(names) > 10 else ""
+            return ", ".join(names[:10]) + more
+
+        parts = []
+        if missing:
+            parts.append(f"missing tensors: {listing(missing)}")
+        if unexpected:
+            parts.append(f"unexpected tensors: {listing(unexpected)}")
+        raise CheckpointError(
+            f"checkpoint {directory} does not match its config.json: {'; '.join(parts)}."
+        )
+
+
+def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32) -> Transformer:
+    """A ready Transformer from an HF directory (or hub name) with safetensors weights.
+
+    Every checkpoint tensor must be used and every parameter filled; shapes are checked.
+    Parameters are stored in `dtype` (f32 or bf16).
+    """
+    directory = _resolve(path)
+    config_file = directory / "config.json"
+    if not config_file.exists():
+        raise CheckpointError(f"{directory} has no config.json.")
+    config = ModelConfig.from_hf_config(json.loads(config_file.read_text()))
+    files = _tensor_files(directory)
+    shapes = _param_shapes(config)
+    expected = {name for p in shapes for name in _hf_names(p, config)}
+    _check_names(expected, set(files), directory, config.tie_word_embeddings)
+
+    abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0), param_dtype=dtype))
+    graphdef, state = nnx.split(abstract)
+    np_dtype = np.dtype(jnp.dtype(dtype))
+    with contextlib.ExitStack() as stack:
+        handles: dict[pathlib.Path, Any] = {}
+
+        def read(name: str) -> np.ndarray:
+            file = files[name]
+            if file not in handles:
+                handles[file] = stack.enter_context(safe_open(file, framework="np"))
+            return handles[file].get_tensor(name)
+
+        for path, shape in shapes.items():
+            names = _hf_names(path, config)
+            stacked = path.startswith("layers.")
+            buffer = np.empty(((len(names),) if stacked else ()) + shape, np_dtype)
+            for i, name in enumerate(names):
+                tensor = read(name)
+                if tensor.shape != _hf_shape(path, shape):
+                    raise CheckpointError(
+                        f"tensor {name} has shape {tensor.shape}, expected "
+                        f"{_hf_shape(path, shape)} for this config.json."
+                    )
+                target = buffer[i] if stacked else buffer
+                target[...] = _to_ours(tensor, path, shape)
+                del tensor
+            _state_leaf(state, path).set_value(jnp.asarray(buffer))
+            del buffer
+    model = nnx.merge(graphdef, state)
+    model.source_dir = str(directory)
+    return model
+
+
+def _state_leaf(state, path: str):
+    node = state
+    for part in path.split("."):
+        node = node[part]
+    return node
+
+
+def save_pretrained(
+    model: Transformer,
+    path: str | os.PathLike,
+    *,
+    dtype=None,
+    max_shard_bytes: int = 2 * 1024**3,
+) -> pathlib.Path:
+    """Writes config.json + safetensors that transformers' from_pretrained loads.
+
+    Tensors are converted one at a time and written in shards of at most `max_shard_bytes`
+    (with a `model.safetensors.index.json` when there is more than one). The tokenizer files
+    of the checkpoint the model came from are copied along.
+    """
+    config: ModelConfig = model.config
+    out = pathlib.Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    state = nnx.state(model, nnx.Param)
+    param_dtype = _state_leaf(state, "embed").get_value().dtype
+    np_dtype = np.dtype(jnp.dtype(dtype or param_dtype))
+
+    shards: list[dict[str, np.ndarray]] = [{}]
+    shard_bytes = 0
+    for param_path, shape in _param_shapes(config).items():
+        value = np.asarray(jax.device_get(_state_leaf(state, param_path).get_value()))
+        per_layer = value if param_path.startswith("layers.") else value[None]
+        for name, layer_value in zip(_hf_names(param_path, config), per_layer, strict=True):
+            tensor = _to_hf(layer_value.astype(np_dtype), param_path, shape)
+            if shard_bytes and shard_bytes + tensor.nbytes > max_shard_bytes:
+                shards.append({})
+                shard_bytes = 0
+            shards[-1][name] = tensor
+            shard_bytes += tensor.nbytes
+
+    weight_map = {}
+    for k, shard in enumerate(shards):
+        file = (
+            "model.safetensors"
+            if len(shards) == 1
+            else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        )
+        save_file(shard, out / file, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, file))
+    if len(shards) > 1:
+        total = sum(t.nbytes for shard in shards for t in shard.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+    hf_config = config.to_hf_config()
+    hf_config["torch_dtype"] = hf_config["dtype"] = np_dtype.name
+    (out / "config.json").write_text(json.dumps(hf_config, indent=2))
+    source = getattr(model, "source_dir", None)
+    if source:
+        for name in TOKENIZER_FILES:
+            if (pathlib.Path(source) / name).exists():
+                shutil.copy2(pathlib.Path(source) / name, out / name)
+    return out

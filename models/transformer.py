@@ -1,0 +1,353 @@
+"""A decoder-only transformer in Flax NNX: RMSNorm, RoPE, grouped-query attention, SwiGLU.
+
+One module set covers Llama, Qwen2/2.5 and Qwen3 through `ModelConfig` switches. The layer
+parameters are stacked along a leading `layers` axis and the layer function is a pure
+function scanned over them, so compile time does not grow with depth and one sharding spec
+covers all layers (and the stacked KV cache).
+
+Dimension letters in shape comments: B batch, T new tokens, S cache slots (keys), E embed,
+H heads, K kv heads, G heads per kv head, D head_dim, M mlp, V vocab, L layers.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.config import ModelConfig
+
+_MASKED = float(np.finfo(np.float32).min)  # finite: a fully masked row gives no NaN
+
+
+class KVCache(NamedTuple):
+    """Keys and values of every layer, and the next slot to write (shared by all rows).
+
+    Rows of a batch are left-padded to a common length, so every row writes the same slot.
+    """
+
+    k: jax.Array  # [L, B, S, K, D]
+    v: jax.Array  # [L, B, S, K, D]
+    index: jax.Array  # int32 scalar
+
+    @property
+    def max_length(self) -> int:
+        return self.k.shape[2]
+
+
+CACHE_AXES = ("layers", "batch", "length", "kv_heads", "head_dim")
+
+
+def init_cache(config: ModelConfig, batch: int, max_length: int, dtype=jnp.float32) -> KVCache:
+    """An empty cache of `max_length` slots."""
+    shape = (config.num_layers, batch, max_length, config.num_kv_heads, config.head_dim)
+    zeros = jnp.zeros(shape, dtype)
+    return KVCache(k=zeros, v=zeros, index=jnp.zeros((), jnp.int32))
+
+
+def constrain(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
+    """Sharding constraint by logical axis names; a no-op outside a mesh with rules."""
+    rules = nn.get_logical_axis_rules()
+    if not rules or jax.sharding.get_abstract_mesh().empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, nn.logical_to_mesh_axes(axes, rules))
+
+
+# --- parameters ----------------------------------------------------------------------------
+
+
+# name -> (shape given the config, logical axes); layer parameters get a leading "layers" axis.
+def _layer_param_specs(c: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
+    e, m, h, k, d = c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim
+    specs = {
+        "attn_norm": ((e,), ("embed",)),
+        "q_kernel": ((e, h, d), ("embed", "heads", "head_dim")),
+        "k_kernel": ((e, k, d), ("embed", "kv_heads", "head_dim")),
+        "v_kernel": ((e, k, d), ("embed", "kv_heads", "head_dim")),
+        "o_kernel": ((h, d, e), ("heads", "head_dim", "embed")),
+        "mlp_norm": ((e,), ("embed",)),
+        "gate_kernel": ((e, m), ("embed", "mlp")),
+        "up_kernel": ((e, m), ("embed", "mlp")),
+        "down_kernel": ((m, e), ("mlp", "embed")),
+    }
+    if c.qkv_bias:
+        specs["q_bias"] = ((h, d), ("heads", "head_dim"))
+        specs["k_bias"] = ((k, d), ("kv_heads", "head_dim"))
+        specs["v_bias"] = ((k, d), ("kv_heads", "head_dim"))
+    if c.qk_norm:
+        specs["q_norm"] = ((d,), ("head_dim",))
+        specs["k_norm"] = ((d,), ("head_dim",))
+    return specs
+
+
+def _init_value(name: str, shape, key, dtype):
+    """Norm scales start at 1, biases at 0, kernels ~ N(0, 0.02) (HF's initializer_range)."""
+    if name.endswith("norm"):
+        return jnp.ones(shape, dtype)
+    if name.endswith("bias"):
+        return jnp.zeros(shape, dtype)
+    return (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+
+class DecoderLayers(nnx.Module):
+    """The parameters of all layers, stacked: each attribute is [L, ...]."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
+        for name, (shape, axes) in _layer_param_specs(config).items():
+            value = _init_value(name, (config.num_layers, *shape), rngs.params(), param_dtype)
+            setattr(self, name, nnx.Param(value, out_sharding=("layers", *axes)))
+
+    def arrays(self) -> dict[str, jax.Array]:
+        return {
+            name: value[...] for name, value in vars(self).items() if isinstance(value, nnx.Param)
+        }
+
+
+class Transformer(nnx.Module):
+    """Token ids in, logits (or final hidden states) out, with an optional KV cache.
+
+    Parameters carry logical axis names as Flax `out_sharding` metadata; they are created
+    unsharded and a mesh's rules table decides their placement (see jgrpo's sharding).
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
+        self.config = config
+        e, v = config.hidden_size, config.vocab_size
+        with nnx.use_eager_sharding(False):
+            self.embed = nnx.Param(
+                _init_value("embed", (v, e), rngs.params(), param_dtype),
+                out_sharding=("vocab", "embed"),
+            )
+            self.layers = DecoderLayers(config, rngs=rngs, param_dtype=param_dtype)
+            self.final_norm = nnx.Param(jnp.ones((e,), param_dtype), out_sharding=("embed",))
+            self.lm_head = (
+                None
+                if config.tie_word_embeddings
+                else nnx.Param(
+                    _init_value("lm_head", (e, v), rngs.params(), param_dtype),
+                    out_sharding=("embed", "vocab"),
+                )
+            )
+
+    @property
+    def unembedding(self) -> jax.Array:  # [E, V]
+        """The output projection, for `jgrpo.chunked_token_logprobs(hidden, unembedding, ...)`."""
+        return self.embed[...].T if self.lm_head is None else self.lm_head[...]
+
+    def params(self) -> dict:
+        """The parameter arrays as the pytree `forward` takes."""
+        params = {
+            "embed": self.embed[...],
+            "layers": self.layers.arrays(),
+            "final_norm": self.final_norm[...],
+        }
+        if self.lm_head is not None:
+            params["lm_head"] = self.lm_head[...]
+        return params
+
+    def __call__(
+        self,
+        input_ids: jax.Array,  # int[B, T]
+        *,
+        attention_mask: jax.Array | None = None,  # [B, T], or [B, S] over cache slots
+        positions: jax.Array | None = None,  # int[B, T]
+        cache: KVCache | None = None,
+        return_hidden: bool = False,
+    ):
+        """Logits f32[B, T, V] (or final hidden states [B, T, E]); see `forward`."""
+        return forward(
+            self.params(),
+            input_ids,
+            attention_mask=attention_mask,
+            positions=positions,
+            cache=cache,
+            config=self.config,
+            return_hidden=return_hidden,
+        )
+
+
+@functools.partial(jax.jit, static_argnames=("config", "return_hidden"))
+def forward(
+    params: dict,
+    input_ids: jax.Array,  # int[B, T]
+    *,
+    config: ModelConfig,
+    attention_mask: jax.Array | None = None,  # [B, T], or [B, S] over cache slots
+    positions: jax.Array | None = None,  # int[B, T]
+    cache: KVCache | None = None,
+    return_hidden: bool = False,
+):
+    """The decoder as a pure function of its parameters (jitted; inlined under an outer jit).
+
+    Without a cache, the T tokens attend causally to each other; `attention_mask` [B, T]
+    marks real tokens (0 for left padding). With a cache, the new tokens are written at
+    slots [cache.index, cache.index + T) and attend to every earlier slot whose
+    `attention_mask` [B, S] entry is 1; the call returns `(output, new_cache)`.
+
+    `positions` default to the count of real tokens before each one (so left padding does not
+    shift RoPE), or to 0..T-1 (+ cache.index) when there is no mask.
+    """
+    batch, length = input_ids.shape
+    if cache is None:
+        key_mask = _default_mask(attention_mask, (batch, length), "[B, T]")
+        offset = jnp.zeros((), jnp.int32)
+    else:
+        key_mask = _default_mask(attention_mask, (batch, cache.max_length), "[B, S]")
+        offset = cache.index
+    if positions is None:
+        positions = _positions_from_mask(key_mask, offset, length)
+
+    slots = key_mask.shape[1]
+    query_slot = offset + jnp.arange(length)  # [T]
+    causal = jnp.arange(slots)[None, :] <= query_slot[:, None]  # [T, S]
+    mask = causal[None] & key_mask[:, None, :].astype(bool)  # [B, T, S]
+    cos, sin = rope_tables(config, positions)  # [B, T, D/2] each
+
+    x = jnp.take(params["embed"], input_ids, axis=0)  # [B, T, E]
+    x = constrain(x, ("batch", "length", "embed"))
+
+    def layer(x, scanned):
+        layer_params, k_cache, v_cache = scanned
+        x, k_cache, v_cache = decoder_layer(
+            config, layer_params, x, cos, sin, mask, k_cache, v_cache, offset
+        )
+        return x, (k_cache, v_cache)
+
+    if config.remat:
+        layer = jax.checkpoint(layer, prevent_cse=False)
+    if cache is None:
+        # No cache to fill: give the scan per-layer placeholders of size 0.
+        empty = jnp.zeros((config.num_layers, 0), x.dtype)
+        x, _ = jax.lax.scan(layer, x, (params["layers"], empty, empty))
+    else:
+        x, (k, v) = jax.lax.scan(layer, x, (params["layers"], cache.k, cache.v))
+        cache = KVCache(k=k, v=v, index=cache.index + length)
+
+    hidden = rms_norm(x, params["final_norm"], config.rms_norm_eps)  # [B, T, E]
+    if return_hidden:
+        out = hidden
+    else:
+        unembedding = params["lm_head"] if "lm_head" in params else params["embed"].T  # [E, V]
+        out = jnp.einsum("bte,ev->btv", hidden, unembedding, preferred_element_type=jnp.float32)
+        out = constrain(out, ("batch", "length", "vocab"))
+    return out if cache is None else (out, cache)
+
+
+# --- the pure layer ----------------------------------------------------------------------
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """x / rms(x) * scale, in f32, returned in x's dtype."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
+    return (normed * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def inverse_frequencies(config: ModelConfig) -> np.ndarray:  # f32[D/2]
+    """RoPE inverse frequencies theta^(-2i/D), with Llama 3 scaling when configured."""
+    exponents = np.arange(0, config.head_dim, 2, dtype=np.float32) / config.head_dim
+    inv_freq = (1.0 / (config.rope_theta**exponents)).astype(np.float32)
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    # Long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+    old_context = scaling.original_max_position_embeddings
+    low_freq_wavelen = old_context / scaling.low_freq_factor
+    high_freq_wavelen = old_context / scaling.high_freq_factor
+    wavelen = 2 * np.pi / inv_freq
+    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_context / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return np.where(medium, blended, scaled).astype(np.float32)
+
+
+def rope_tables(config: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos and sin f32[B, T, D/2] of positions * inverse frequencies."""
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inverse_frequencies(config))
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotates [B, T, N, D] by position; halves layout (HF's rotate_half), computed in f32."""
+    x32 = x.astype(jnp.float32)
+    first, second = jnp.split(x32, 2, axis=-1)
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+    rotated = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
+    return rotated.astype(x.dtype)
+
+
+def decoder_layer(config, params, x, cos, sin, mask, k_cache, v_cache, offset):
+    """One pre-norm block: x + attention(norm(x)), then + SwiGLU(norm(x)).
+
+    x [B, T, E]; mask bool[B, T, S]; k_cache, v_cache [B, S, K, D] (size 0 without a cache,
+    in which case the keys are the T new tokens themselves).
+    """
+    eps = config.rms_norm_eps
+    h = rms_norm(x, params["attn_norm"], eps)
+    q = jnp.einsum("bte,ehd->bthd", h, params["q_kernel"])  # [B, T, H, D]
+    k = jnp.einsum("bte,ekd->btkd", h, params["k_kernel"])  # [B, T, K, D]
+    v = jnp.einsum("bte,ekd->btkd", h, params["v_kernel"])  # [B, T, K, D]
+    if config.qkv_bias:
+        q, k, v = q + params["q_bias"], k + params["k_bias"], v + params["v_bias"]
+    if config.qk_norm:
+        q = rms_norm(q, params["q_norm"], eps)
+        k = rms_norm(k, params["k_norm"], eps)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+    if k_cache.size:
+        start = (0, offset, 0, 0)
+        k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), start)
+        v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), start)
+        keys, values = k_cache, v_cache  # [B, S, K, D]
+    else:
+        keys, values = k, v
+    keys = constrain(keys, ("batch", "length", "kv_heads", "head_dim"))
+    values = constrain(values, ("batch", "length", "kv_heads", "head_dim"))
+
+    attention = grouped_query_attention(q, keys, values, mask)  # [B, T, H, D]
+    x = x + jnp.einsum("bthd,hde->bte", attention, params["o_kernel"])
+    h = rms_norm(x, params["mlp_norm"], eps)
+    gate = jnp.einsum("bte,em->btm", h, params["gate_kernel"])
+    up = jnp.einsum("bte,em->btm", h, params["up_kernel"])
+    hidden = constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
+    x = x + jnp.einsum("btm,me->bte", hidden, params["down_kernel"])
+    return constrain(x, ("batch", "length", "embed")), k_cache, v_cache
+
+
+def grouped_query_attention(q, k, v, mask):
+    """softmax(q k^T / sqrt(D)) v with H = K * G query heads sharing each kv head.
+
+    q [B, T, H, D]; k, v [B, S, K, D]; mask bool[B, T, S]. Scores and softmax in f32.
+    """
+    batch, length, heads, dim = q.shape
+    kv_heads = k.shape[2]
+    q = q.reshape(batch, length, kv_heads, heads // kv_heads, dim)  # [B, T, K, G, D]
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+    scores = scores * (dim**-0.5)
+    scores = jnp.where(mask[:, None, None], scores, _MASKED)  # [B, K, G, T, S]
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v)
+    return out.reshape(batch, length, heads, dim)
+
+
+def _default_mask(mask, shape, expected):
+    if mask is None:
+        return jnp.ones(shape, jnp.int32)
+    if tuple(mask.shape) != tuple(shape):
+        raise ValueError(f"attention_mask must have shape {expected} = {shape}, got {mask.shape}.")
+    return mask.astype(jnp.int32)
+
+
+def _positions_from_mask(key_mask, offset, length):
+    """RoPE position of each new token: the number of real tokens before it."""
+    before = jnp.cumsum(key_mask, axis=1) - 1  # [B, S]
+    positions = jax.lax.dynamic_slice_in_dim(before, offset, length, axis=1)  # [B, T]
+    return jnp.maximum(positions, 0)

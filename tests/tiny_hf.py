@@ -1,0 +1,82 @@
+"""Tiny random Hugging Face checkpoints, built offline with torch, for parity tests.
+
+Each family exercises its switches: Llama with Llama 3 rope scaling and untied embeddings,
+Qwen2 with q/k/v bias and tied embeddings, Qwen3 with q/k norm and head_dim != E / H; all
+with grouped-query attention (2 kv heads for 4 query heads).
+"""
+
+import pathlib
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+VOCAB = 97
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    initializer_range=0.1,  # larger than HF's 0.02, so logits are O(1) and differences show
+    bos_token_id=1,
+    eos_token_id=2,
+)
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
+FAMILIES = {
+    "llama3": (
+        LlamaConfig,
+        LlamaForCausalLM,
+        dict(rope_scaling=LLAMA3_ROPE, rope_theta=500_000.0, tie_word_embeddings=False),
+    ),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, dict(tie_word_embeddings=True, rope_theta=1e6)),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(tie_word_embeddings=False, head_dim=32)),
+}
+
+
+def make_torch_model(family: str, seed: int = 0) -> torch.nn.Module:
+    """A random f32 model; norm scales and biases are perturbed so they matter."""
+    config_class, model_class, extra = FAMILIES[family]
+    torch.manual_seed(seed)
+    model = model_class(config_class(**COMMON, **extra)).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or "bias" in name:
+                param.add_(0.1 * torch.randn_like(param))
+    return model
+
+
+def make_tokenizer() -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over VOCAB tokens, with BOS/EOS/PAD specials."""
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({f"w{i}": i for i in range(3, VOCAB)})
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+
+
+def save_checkpoint(family: str, directory: pathlib.Path, *, with_tokenizer=False, seed=0):
+    """Writes a checkpoint (safetensors) and returns the torch model it holds."""
+    model = make_torch_model(family, seed)
+    model.save_pretrained(directory)
+    if with_tokenizer:
+        make_tokenizer().save_pretrained(directory)
+    return model
