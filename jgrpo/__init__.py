@@ -1,17 +1,42 @@
-"""jgrpo: JAX-native GRPO. The pure objective (advantages, loss, log-probs) is importable alone."""
+"""jgrpo: JAX-native GRPO. The pure objective (advantages, loss, log-probs) is importable alone.
+
+Sampling and generation build on the `models` package (Flax); they are imported on first use,
+so `import jgrpo` alone stays free of Flax for codebases that only want the objective.
+"""
+
+import importlib
 
 from jgrpo.advantages import GroupStats, group_advantages, group_statistics
 from jgrpo.logprobs import chunked_token_logprobs, token_logprobs
 from jgrpo.losses import grpo_loss, sequence_kl, token_kl
 
+_LAZY = {
+    "generate": "jgrpo.generation",
+    "Generations": "jgrpo.generation",
+    "rollout": "jgrpo.sampling",
+    "Rollout": "jgrpo.sampling",
+    "SamplingConfig": "jgrpo.sampling",
+}
+
 __all__ = [
+    "Generations",
     "GroupStats",
+    "Rollout",
+    "SamplingConfig",
     "chunked_token_logprobs",
+    "generate",
     "group_advantages",
     "group_statistics",
     "grpo_loss",
+    "rollout",
     "sequence_kl",
     "token_kl",
     "token_logprobs",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'jgrpo' has no attribute {name!r}")

@@ -230,8 +230,8 @@ PRESETS: dict[str, ModelConfig] = {
         num_kv_heads=2,
         head_dim=16,
     ),
-    # ~110M parameters: the CPU forward benchmark.
-    "llama-110m": _preset(
+    # 124.7M parameters (GPT-2-small scale): the CPU forward and rollout benchmarks.
+    "llama-125m": _preset(
         model_type="llama",
         vocab_size=32_000,
         hidden_size=768,

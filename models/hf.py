@@ -5,18 +5,17 @@ weights as [out, in]; ours are [in, ...out] kernels, so 2-D HF weights are trans
 every tensor is reshaped to the other side's shape. Nothing else is special-cased.
 
 Only safetensors are read: pickle-based `.bin` files are refused, `trust_remote_code` never
-happens. Loading goes tensor by tensor from memory-mapped files into one stacked buffer per
-parameter, so host memory peaks near one copy of the model plus its largest parameter.
+happens. Loading goes tensor by tensor (each file mapped only while one tensor is copied out)
+into one stacked host buffer per parameter, which is moved to the device and freed before the
+next, so host memory peaks near one copy of the model plus its largest parameter.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import pathlib
 import shutil
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -110,7 +109,7 @@ def _to_hf(value: np.ndarray, path: str, shape: tuple[int, ...]) -> np.ndarray:
     return value.reshape(hf_shape)
 
 
-def _resolve(path: str | os.PathLike) -> pathlib.Path:
+def resolve(path: str | os.PathLike) -> pathlib.Path:
     """A local directory, or a hub name downloaded (or found in the HF cache)."""
     local = pathlib.Path(path)
     if local.is_dir():
@@ -174,7 +173,7 @@ def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32) -> Transforme
     Every checkpoint tensor must be used and every parameter filled; shapes are checked.
     Parameters are stored in `dtype` (f32 or bf16).
     """
-    directory = _resolve(path)
+    directory = resolve(path)
     config_file = directory / "config.json"
     if not config_file.exists():
         raise CheckpointError(f"{directory} has no config.json.")
@@ -187,31 +186,24 @@ def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32) -> Transforme
     abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0), param_dtype=dtype))
     graphdef, state = nnx.split(abstract)
     np_dtype = np.dtype(jnp.dtype(dtype))
-    with contextlib.ExitStack() as stack:
-        handles: dict[pathlib.Path, Any] = {}
-
-        def read(name: str) -> np.ndarray:
-            file = files[name]
-            if file not in handles:
-                handles[file] = stack.enter_context(safe_open(file, framework="np"))
-            return handles[file].get_tensor(name)
-
-        for path, shape in shapes.items():
-            names = _hf_names(path, config)
-            stacked = path.startswith("layers.")
-            buffer = np.empty(((len(names),) if stacked else ()) + shape, np_dtype)
-            for i, name in enumerate(names):
-                tensor = read(name)
-                if tensor.shape != _hf_shape(path, shape):
-                    raise CheckpointError(
-                        f"tensor {name} has shape {tensor.shape}, expected "
-                        f"{_hf_shape(path, shape)} for this config.json."
-                    )
-                target = buffer[i] if stacked else buffer
-                target[...] = _to_ours(tensor, path, shape)
-                del tensor
-            _state_leaf(state, path).set_value(jnp.asarray(buffer))
-            del buffer
+    for path, shape in shapes.items():
+        names = _hf_names(path, config)
+        stacked = path.startswith("layers.")
+        buffer = np.empty(((len(names),) if stacked else ()) + shape, np_dtype)
+        for i, name in enumerate(names):
+            # One open (memory map) per tensor: mapped pages are released as soon as the
+            # tensor is copied out, instead of the whole checkpoint staying resident.
+            with safe_open(files[name], framework="np") as f:
+                tensor = f.get_tensor(name)
+            if tensor.shape != _hf_shape(path, shape):
+                raise CheckpointError(
+                    f"tensor {name} has shape {tensor.shape}, expected "
+                    f"{_hf_shape(path, shape)} for this config.json."
+                )
+            (buffer[i] if stacked else buffer)[...] = _to_ours(tensor, path, shape)
+            del tensor
+        _state_leaf(state, path).set_value(jax.device_put(buffer))
+        del buffer
     model = nnx.merge(graphdef, state)
     model.source_dir = str(directory)
     return model
@@ -233,9 +225,10 @@ def save_pretrained(
 ) -> pathlib.Path:
     """Writes config.json + safetensors that transformers' from_pretrained loads.
 
-    Tensors are converted one at a time and written in shards of at most `max_shard_bytes`
-    (with a `model.safetensors.index.json` when there is more than one). The tokenizer files
-    of the checkpoint the model came from are copied along.
+    Shards of at most `max_shard_bytes` (with a `model.safetensors.index.json` when there is
+    more than one) are converted and written one at a time, so host memory holds at most one
+    shard beyond the model. The tokenizer files of the checkpoint the model came from are
+    copied along.
     """
     config: ModelConfig = model.config
     out = pathlib.Path(path)
@@ -244,19 +237,23 @@ def save_pretrained(
     param_dtype = _state_leaf(state, "embed").get_value().dtype
     np_dtype = np.dtype(jnp.dtype(dtype or param_dtype))
 
-    shards: list[dict[str, np.ndarray]] = [{}]
-    shard_bytes = 0
+    # Plan the shards from shapes alone, then convert and write one shard at a time.
+    entries = []  # (HF name, our parameter path, layer index or None, bytes)
     for param_path, shape in _param_shapes(config).items():
-        value = np.asarray(jax.device_get(_state_leaf(state, param_path).get_value()))
-        per_layer = value if param_path.startswith("layers.") else value[None]
-        for name, layer_value in zip(_hf_names(param_path, config), per_layer, strict=True):
-            tensor = _to_hf(layer_value.astype(np_dtype), param_path, shape)
-            if shard_bytes and shard_bytes + tensor.nbytes > max_shard_bytes:
-                shards.append({})
-                shard_bytes = 0
-            shards[-1][name] = tensor
-            shard_bytes += tensor.nbytes
+        nbytes = int(np.prod(shape)) * np_dtype.itemsize
+        layers = range(config.num_layers) if param_path.startswith("layers.") else [None]
+        for name, layer in zip(_hf_names(param_path, config), layers, strict=True):
+            entries.append((name, param_path, layer, nbytes))
+    shards: list[list] = [[]]
+    shard_bytes = 0
+    for entry in entries:
+        if shard_bytes and shard_bytes + entry[3] > max_shard_bytes:
+            shards.append([])
+            shard_bytes = 0
+        shards[-1].append(entry)
+        shard_bytes += entry[3]
 
+    shapes = _param_shapes(config)
     weight_map = {}
     for k, shard in enumerate(shards):
         file = (
@@ -264,10 +261,16 @@ def save_pretrained(
             if len(shards) == 1
             else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
         )
-        save_file(shard, out / file, metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, file))
+        tensors = {}
+        for name, param_path, layer, _ in shard:
+            value = _state_leaf(state, param_path).get_value()
+            value = np.asarray(jax.device_get(value if layer is None else value[layer]))
+            tensors[name] = _to_hf(value.astype(np_dtype), param_path, shapes[param_path])
+        save_file(tensors, out / file, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, file))
+        del tensors
     if len(shards) > 1:
-        total = sum(t.nbytes for shard in shards for t in shard.values())
+        total = sum(entry[3] for entry in entries)
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 

@@ -229,13 +229,17 @@ def forward(
         cache = KVCache(k=k, v=v, index=cache.index + length)
 
     hidden = rms_norm(x, params["final_norm"], config.rms_norm_eps)  # [B, T, E]
-    if return_hidden:
-        out = hidden
-    else:
-        unembedding = params["lm_head"] if "lm_head" in params else params["embed"].T  # [E, V]
-        out = jnp.einsum("bte,ev->btv", hidden, unembedding, preferred_element_type=jnp.float32)
-        out = constrain(out, ("batch", "length", "vocab"))
+    out = hidden if return_hidden else logits_from_hidden(params, hidden)
     return out if cache is None else (out, cache)
+
+
+def logits_from_hidden(params: dict, hidden: jax.Array) -> jax.Array:
+    """f32 logits [..., V] from final hidden states [..., E] (tied or untied unembedding)."""
+    unembedding = params["lm_head"] if "lm_head" in params else params["embed"].T  # [E, V]
+    logits = jnp.einsum("...e,ev->...v", hidden, unembedding, preferred_element_type=jnp.float32)
+    if logits.ndim == 3:
+        logits = constrain(logits, ("batch", "length", "vocab"))
+    return logits
 
 
 # --- the pure layer ----------------------------------------------------------------------

@@ -27,3 +27,18 @@ def hf_checkpoint(tmp_path_factory):
         return made[family]
 
     return make
+
+
+_compiles = []
+jax.monitoring.register_event_duration_secs_listener(
+    lambda event, duration, **kwargs: (
+        _compiles.append(event) if event == "/jax/core/compile/backend_compile_duration" else None
+    )
+)
+
+
+@pytest.fixture
+def count_compiles():
+    """Returns a function giving the number of XLA compilations since the test started."""
+    start = len(_compiles)
+    return lambda: len(_compiles) - start

@@ -1,0 +1,229 @@
+"""The rollout engine: parity with transformers' generate, log-probs, filters, stops, compiles."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from tiny_hf import VOCAB
+
+import jgrpo
+from jgrpo.generation import bucket_length, pad_prompts
+from jgrpo.sampling import SamplingConfig, filter_logits, rollout
+from models.hf import from_pretrained
+
+PROMPT_LENGTHS = [5, 9, 3]
+EOS = 2
+
+
+def prompts(seed=0, lengths=PROMPT_LENGTHS):
+    """Left-padded prompts of different lengths, bucketed as generate() would."""
+    rng = np.random.default_rng(seed)
+    return pad_prompts([rng.integers(3, VOCAB, n).tolist() for n in lengths])
+
+
+def run(model, ids, mask, *, key=0, num_generations=2, **sampling):
+    sampling.setdefault("stop_token_ids", (EOS,))
+    return rollout(
+        model.params(),
+        jnp.asarray(ids),
+        jnp.asarray(mask),
+        jax.random.key(key),
+        model_config=model.config,
+        num_generations=num_generations,
+        sampling=SamplingConfig(**sampling),
+    )
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen2"])
+def test_greedy_equals_transformers_generate(family, hf_checkpoint):
+    directory, torch_model = hf_checkpoint(family)
+    model = from_pretrained(directory)
+    ids, mask = prompts()
+    result = run(model, ids, mask, max_new_tokens=12, temperature=0.0)
+    with torch.no_grad():
+        expected = torch_model.generate(
+            torch.tensor(ids, dtype=torch.long),
+            attention_mask=torch.tensor(mask, dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=12,
+            eos_token_id=EOS,
+            pad_token_id=0,
+        )[:, ids.shape[1] :].numpy()
+    tokens, lengths = np.asarray(result.tokens), np.asarray(result.lengths)
+    for row in range(len(PROMPT_LENGTHS)):
+        for g in range(2):  # both generations of a greedy group are the same
+            n = lengths[row * 2 + g]
+            np.testing.assert_array_equal(tokens[row * 2 + g, :n], expected[row, :n])
+    np.testing.assert_array_equal(np.asarray(result.group_ids), [0, 0, 1, 1, 2, 2])
+
+
+def full_forward_logits(model, ids, mask, result, num_generations):
+    """Logits at the positions that predicted each completion token: f32[P*G, N, V]."""
+    prompt_ids = np.repeat(ids, num_generations, axis=0)
+    prompt_mask = np.repeat(mask, num_generations, axis=0)
+    sequence = np.concatenate([prompt_ids, np.asarray(result.tokens)], axis=1)
+    sequence_mask = np.concatenate([prompt_mask, np.asarray(result.mask)], axis=1)
+    logits = model(jnp.asarray(sequence), attention_mask=jnp.asarray(sequence_mask))
+    return np.asarray(logits[:, ids.shape[1] - 1 : -1])
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_equal_a_full_forward_recompute(temperature, hf_checkpoint):
+    model = from_pretrained(hf_checkpoint("qwen3")[0])
+    ids, mask = prompts(seed=1)
+    result = run(model, ids, mask, max_new_tokens=10, temperature=temperature, num_generations=3)
+    logits = full_forward_logits(model, ids, mask, result, 3)
+    expected, _ = jgrpo.token_logprobs(jnp.asarray(logits), result.tokens, temperature=temperature)
+    real = np.asarray(result.mask)
+    np.testing.assert_allclose(
+        np.asarray(result.logprobs)[real], np.asarray(expected)[real], atol=1e-4
+    )
+    np.testing.assert_array_equal(np.asarray(result.logprobs)[~real], 0.0)
+
+
+def allowed_sets(logits, *, top_k=0, top_p=1.0, min_p=0.0):
+    """numpy reference of filter_logits: bool[B, V] of the tokens that may be drawn."""
+    allowed = np.ones(logits.shape, bool)
+    for row, z in enumerate(logits.astype(np.float64)):
+        keep = np.ones(len(z), bool)
+        if top_k:
+            keep &= z >= np.sort(z)[-top_k]
+        if top_p < 1:
+            p = np.where(keep, np.exp(z - z[keep].max()), 0.0)
+            p /= p.sum()
+            order = np.argsort(-p)
+            before = np.cumsum(p[order]) - p[order]
+            in_nucleus = np.zeros(len(z), bool)
+            in_nucleus[order[before < top_p]] = True
+            keep &= in_nucleus
+        if min_p:
+            p = np.where(keep, np.exp(z - z[keep].max()), 0.0)
+            p /= p.sum()
+            keep &= p >= min_p * p.max()
+        allowed[row] = keep
+    return allowed
+
+
+FILTERS = [dict(top_k=3), dict(top_p=0.5), dict(min_p=0.2), dict(top_k=10, top_p=0.8, min_p=0.05)]
+
+
+@pytest.mark.parametrize("filters", FILTERS)
+def test_filters_never_emit_a_token_outside_the_allowed_set(filters, hf_checkpoint):
+    model = from_pretrained(hf_checkpoint("llama3")[0])
+    ids, mask = prompts(seed=2)
+    result = run(model, ids, mask, max_new_tokens=8, temperature=1.0, num_generations=16, **filters)
+    logits = full_forward_logits(model, ids, mask, result, 16)  # the model's own distribution
+    tokens, real = np.asarray(result.tokens), np.asarray(result.mask)
+    allowed = allowed_sets(logits.reshape(-1, logits.shape[-1]), **filters)
+    drawn = allowed[np.arange(tokens.size), tokens.reshape(-1)].reshape(tokens.shape)
+    assert drawn[real].all()
+    assert real.sum() > 300  # many draws were checked
+
+
+@pytest.mark.parametrize("filters", FILTERS)
+def test_filter_logits_against_reference(filters):
+    logits = jax.random.normal(jax.random.key(0), (64, 50)) * 2.0
+    got = np.isfinite(
+        np.asarray(filter_logits(logits, **{**dict(top_k=0, top_p=1.0, min_p=0.0), **filters}))
+    )
+    np.testing.assert_array_equal(got, allowed_sets(np.asarray(logits), **filters))
+    # Every allowed token is reachable: 4000 draws of one row cover its allowed set.
+    row = jnp.tile(logits[:1], (4000, 1))
+    draws = jax.random.categorical(
+        jax.random.key(1), filter_logits(row, **{**dict(top_k=0, top_p=1.0, min_p=0.0), **filters})
+    )
+    assert set(np.asarray(draws).tolist()) == set(np.flatnonzero(got[0]).tolist())
+
+
+def test_stop_tokens_end_the_mask_exactly_there(hf_checkpoint):
+    model = from_pretrained(hf_checkpoint("qwen2")[0])
+    ids, mask = prompts(seed=3)
+    stops = tuple(range(3, VOCAB, 4))  # a quarter of the vocabulary stops a row
+    result = run(
+        model,
+        ids,
+        mask,
+        max_new_tokens=16,
+        temperature=1.0,
+        num_generations=8,
+        stop_token_ids=stops,
+    )
+    tokens, real = np.asarray(result.tokens), np.asarray(result.mask)
+    lengths, truncated = np.asarray(result.lengths), np.asarray(result.truncated)
+    for row in range(tokens.shape[0]):
+        is_stop = np.isin(tokens[row], stops)
+        first = int(np.argmax(is_stop)) if is_stop[: lengths[row]].any() else None
+        if first is None:  # never stopped: all 16 tokens are real and the row is flagged
+            assert truncated[row] and lengths[row] == 16 and real[row].all()
+        else:  # the stop token is the last real token; after it only padding
+            assert not truncated[row] and lengths[row] == first + 1
+            np.testing.assert_array_equal(real[row], np.arange(16) <= first)
+            np.testing.assert_array_equal(tokens[row, first + 1 :], 0)
+    assert 0 < truncated.sum() < len(truncated)  # both cases occurred
+
+    everything_stops = run(model, ids, mask, max_new_tokens=5, stop_token_ids=tuple(range(VOCAB)))
+    np.testing.assert_array_equal(np.asarray(everything_stops.lengths), 1)
+    nothing_stops = run(model, ids, mask, max_new_tokens=5, stop_token_ids=())
+    np.testing.assert_array_equal(np.asarray(nothing_stops.truncated), True)
+
+
+def test_randomness_is_a_function_of_the_key(hf_checkpoint):
+    model = from_pretrained(hf_checkpoint("qwen2")[0])
+    ids, mask = prompts()
+    first = run(model, ids, mask, key=7, max_new_tokens=6)
+    again = run(model, ids, mask, key=7, max_new_tokens=6)
+    other = run(model, ids, mask, key=8, max_new_tokens=6)
+    np.testing.assert_array_equal(first.tokens, again.tokens)
+    assert not np.array_equal(first.tokens, other.tokens)
+    # The G rows of a group are independent draws, not copies.
+    tokens = np.asarray(first.tokens)
+    assert not np.array_equal(tokens[0], tokens[1])
+
+
+def test_new_prompts_in_the_same_bucket_do_not_recompile(hf_checkpoint, count_compiles):
+    model = from_pretrained(hf_checkpoint("llama3")[0])
+    run(model, *prompts(seed=4, lengths=[5, 9, 3]), max_new_tokens=4)  # compiles
+    before = count_compiles()
+    ids, mask = prompts(seed=5, lengths=[12, 2, 7])  # other lengths, same bucket of 16
+    assert ids.shape == (3, bucket_length(12)) == (3, 16)
+    run(model, ids, mask, key=3, max_new_tokens=4)
+    assert count_compiles() == before
+
+
+def test_prefill_runs_once_per_prompt_not_per_generation(hf_checkpoint):
+    """Compiled FLOPs barely grow with G: the long prefill is not repeated G times."""
+    model = from_pretrained(hf_checkpoint("llama3")[0])
+    ids, mask = pad_prompts([list(range(3, 63))] * 2)  # two 60-token prompts in a 64 bucket
+
+    def flops(num_generations):
+        lowered = rollout.lower(
+            model.params(),
+            jnp.asarray(ids),
+            jnp.asarray(mask),
+            jax.random.key(0),
+            model_config=model.config,
+            num_generations=num_generations,
+            sampling=SamplingConfig(max_new_tokens=1),
+        )
+        return lowered.compile().cost_analysis()["flops"]
+
+    ratio = flops(16) / flops(1)
+    # One decode step per row costs about 1/60 of a prefill: 16 rows add ~15/60. Prefilling
+    # each generation would multiply the total by ~16.
+    assert ratio < 1.6, ratio
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("max_new_tokens", 0, "max_new_tokens must be an int >= 1"),
+        ("temperature", -1.0, "temperature must be >= 0"),
+        ("top_p", 0.0, r"top_p must be in \(0, 1\]"),
+        ("top_k", -1, "top_k must be an int >= 0"),
+        ("min_p", 1.0, r"min_p must be in \[0, 1\)"),
+    ],
+)
+def test_bad_sampling_config(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingConfig(**{"max_new_tokens": 4, field: value})
