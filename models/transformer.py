@@ -31,23 +31,25 @@ class KVCache(NamedTuple):
     Rows of a batch are left-padded to a common length, so every row writes the same slot.
     """
 
-    k: jax.Array  # [L, B, S, K, D]
-    v: jax.Array  # [L, B, S, K, D]
+    k: jax.Array  # [L, B, K, S, D]: slots next to head_dim, as attention reads them
+    v: jax.Array  # [L, B, K, S, D]
     index: jax.Array  # int32 scalar
 
     @property
     def max_length(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
 
 
-CACHE_AXES = ("layers", "batch", "length", "kv_heads", "head_dim")
+CACHE_AXES = ("layers", "batch", "kv_heads", "length", "head_dim")
 
 
 def init_cache(config: ModelConfig, batch: int, max_length: int, dtype=jnp.float32) -> KVCache:
     """An empty cache of `max_length` slots."""
-    shape = (config.num_layers, batch, max_length, config.num_kv_heads, config.head_dim)
-    zeros = jnp.zeros(shape, dtype)
-    return KVCache(k=zeros, v=zeros, index=jnp.zeros((), jnp.int32))
+    shape = (config.num_layers, batch, config.num_kv_heads, max_length, config.head_dim)
+    # Two buffers, not one shared: a cache passed with donation must not alias itself.
+    return KVCache(
+        k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), index=jnp.zeros((), jnp.int32)
+    )
 
 
 def constrain(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
@@ -211,21 +213,28 @@ def forward(
     x = jnp.take(params["embed"], input_ids, axis=0)  # [B, T, E]
     x = constrain(x, ("batch", "length", "embed"))
 
-    def layer(x, scanned):
-        layer_params, k_cache, v_cache = scanned
-        x, k_cache, v_cache = decoder_layer(
-            config, layer_params, x, cos, sin, mask, k_cache, v_cache, offset
-        )
-        return x, (k_cache, v_cache)
-
-    if config.remat:
-        layer = jax.checkpoint(layer, prevent_cse=False)
     if cache is None:
-        # No cache to fill: give the scan per-layer placeholders of size 0.
-        empty = jnp.zeros((config.num_layers, 0), x.dtype)
-        x, _ = jax.lax.scan(layer, x, (params["layers"], empty, empty))
+
+        def layer(x, layer_params):
+            x, _ = decoder_layer(config, layer_params, x, cos, sin, mask)
+            return x, None
+
+        if config.remat:
+            layer = jax.checkpoint(layer, prevent_cse=False)
+        x, _ = jax.lax.scan(layer, x, params["layers"])
     else:
-        x, (k, v) = jax.lax.scan(layer, x, (params["layers"], cache.k, cache.v))
+        # The stacked cache rides in the scan carry and each layer updates its slots in place:
+        # slicing it as scan input and restacking it as output would copy it every step.
+        def layer(carry, scanned):
+            x, k, v = carry
+            layer_params, index = scanned
+            x, (k, v) = decoder_layer(
+                config, layer_params, x, cos, sin, mask, cache=(k, v, index), offset=offset
+            )
+            return (x, k, v), None
+
+        layer_ids = jnp.arange(config.num_layers)
+        (x, k, v), _ = jax.lax.scan(layer, (x, cache.k, cache.v), (params["layers"], layer_ids))
         cache = KVCache(k=k, v=v, index=cache.index + length)
 
     hidden = rms_norm(x, params["final_norm"], config.rms_norm_eps)  # [B, T, E]
@@ -288,11 +297,13 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return rotated.astype(x.dtype)
 
 
-def decoder_layer(config, params, x, cos, sin, mask, k_cache, v_cache, offset):
+def decoder_layer(config, params, x, cos, sin, mask, cache=None, offset=0):
     """One pre-norm block: x + attention(norm(x)), then + SwiGLU(norm(x)).
 
-    x [B, T, E]; mask bool[B, T, S]; k_cache, v_cache [B, S, K, D] (size 0 without a cache,
-    in which case the keys are the T new tokens themselves).
+    x [B, T, E]; mask bool[B, T, S]. Without a cache the keys are the T new tokens. With
+    `cache=(k, v, layer)` (k, v [L, B, K, S, D]) the new keys and values are written at slots
+    [offset, offset + T) of that layer and attention reads all S slots; returns
+    (x, (k, v)), else (x, None).
     """
     eps = config.rms_norm_eps
     h = rms_norm(x, params["attn_norm"], eps)
@@ -306,15 +317,19 @@ def decoder_layer(config, params, x, cos, sin, mask, k_cache, v_cache, offset):
         k = rms_norm(k, params["k_norm"], eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
-    if k_cache.size:
-        start = (0, offset, 0, 0)
-        k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), start)
-        v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), start)
-        keys, values = k_cache, v_cache  # [B, S, K, D]
+    k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, D]
+    if cache is None:
+        keys, values, new_cache = k, v, None
     else:
-        keys, values = k, v
-    keys = constrain(keys, ("batch", "length", "kv_heads", "head_dim"))
-    values = constrain(values, ("batch", "length", "kv_heads", "head_dim"))
+        k_all, v_all, layer = cache
+        start = (layer, 0, 0, offset, 0)
+        k_all = jax.lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), start)
+        v_all = jax.lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), start)
+        keys = jax.lax.dynamic_index_in_dim(k_all, layer, keepdims=False)  # [B, K, S, D]
+        values = jax.lax.dynamic_index_in_dim(v_all, layer, keepdims=False)
+        new_cache = (k_all, v_all)
+    keys = constrain(keys, ("batch", "kv_heads", "length", "head_dim"))
+    values = constrain(values, ("batch", "kv_heads", "length", "head_dim"))
 
     attention = grouped_query_attention(q, keys, values, mask)  # [B, T, H, D]
     x = x + jnp.einsum("bthd,hde->bte", attention, params["o_kernel"])
@@ -323,22 +338,22 @@ def decoder_layer(config, params, x, cos, sin, mask, k_cache, v_cache, offset):
     up = jnp.einsum("bte,em->btm", h, params["up_kernel"])
     hidden = constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
     x = x + jnp.einsum("btm,me->bte", hidden, params["down_kernel"])
-    return constrain(x, ("batch", "length", "embed")), k_cache, v_cache
+    return constrain(x, ("batch", "length", "embed")), new_cache
 
 
 def grouped_query_attention(q, k, v, mask):
     """softmax(q k^T / sqrt(D)) v with H = K * G query heads sharing each kv head.
 
-    q [B, T, H, D]; k, v [B, S, K, D]; mask bool[B, T, S]. Scores and softmax in f32.
+    q [B, T, H, D]; k, v [B, K, S, D]; mask bool[B, T, S]. Scores and softmax in f32.
     """
     batch, length, heads, dim = q.shape
-    kv_heads = k.shape[2]
+    kv_heads = k.shape[1]
     q = q.reshape(batch, length, kv_heads, heads // kv_heads, dim)  # [B, T, K, G, D]
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+    scores = jnp.einsum("btkgd,bksd->bkgts", q, k, preferred_element_type=jnp.float32)
     scores = scores * (dim**-0.5)
     scores = jnp.where(mask[:, None, None], scores, _MASKED)  # [B, K, G, T, S]
     probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v)
+    out = jnp.einsum("bkgts,bksd->btkgd", probs.astype(v.dtype), v)
     return out.reshape(batch, length, heads, dim)
 
 

@@ -1,0 +1,158 @@
+"""Rollout speed: jgrpo's compiled group sampler next to transformers' `generate`.
+
+One run, same weights, same shapes, printed side by side:
+1. Generated tokens/s sampling G completions of P prompts (temperature 1, no top-k/top-p, no
+   stop tokens, so every row produces exactly N tokens on both sides). transformers gets the
+   prompts once with `num_return_sequences=G`, its own way of sampling a group.
+2. jgrpo's prefill cost against G: the time of a rollout with one new token for G=1 and G=16
+   (prefill dominates it), whose ratio shows that the prompt is prefilled once per prompt.
+
+Compilation is excluded (one warm-up call first, whose time is reported separately).
+
+Run: python scripts/benchmark_rollout.py [--preset tiny|llama-125m] [--prompts 8]
+     [--generations 8] [--prompt-length 64] [--new-tokens 128] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+import models
+from jgrpo.sampling import SamplingConfig, rollout
+
+
+def make_checkpoint(config: models.ModelConfig, directory: str) -> None:
+    """A random Llama checkpoint (seed 0) both sides load."""
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**config.to_hf_config())).save_pretrained(directory)
+
+
+def median_seconds(run, repeats: int) -> float:
+    times = []
+    for repeat in range(repeats):
+        start = time.perf_counter()
+        run(repeat)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def jgrpo_sampler(model, ids, mask, generations, new_tokens):
+    sampling = SamplingConfig(max_new_tokens=new_tokens, temperature=1.0)
+    params = model.params()
+
+    def run(seed):
+        result = rollout(
+            params,
+            ids,
+            mask,
+            jax.random.key(seed),
+            model_config=model.config,
+            num_generations=generations,
+            sampling=sampling,
+        )
+        jax.block_until_ready(result)
+        return result
+
+    return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--generations", type=int, default=8)
+    parser.add_argument("--prompt-length", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--prefill-length", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+
+    config = models.preset(args.preset)
+    torch.set_num_threads(os.cpu_count())
+    rng = np.random.default_rng(0)
+    prompt_ids = rng.integers(3, config.vocab_size, (args.prompts, args.prompt_length))  # [P, L]
+    rows = args.prompts * args.generations
+    generated = rows * args.new_tokens
+
+    with tempfile.TemporaryDirectory() as directory:
+        make_checkpoint(config, directory)
+        model = models.from_pretrained(directory)
+        torch_model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+
+    # --- 1. generated tokens/s -----------------------------------------------------------
+    ids = jnp.asarray(prompt_ids, jnp.int32)
+    mask = jnp.ones_like(ids)
+    sample = jgrpo_sampler(model, ids, mask, args.generations, args.new_tokens)
+    start = time.perf_counter()
+    sample(0)
+    first_call_seconds = time.perf_counter() - start  # compile + one run
+    jgrpo_seconds = median_seconds(lambda r: sample(r + 1), args.repeats)
+
+    torch_ids = torch.tensor(prompt_ids)
+
+    def torch_generate(seed):
+        torch.manual_seed(seed)
+        with torch.inference_mode():
+            out = torch_model.generate(
+                torch_ids,
+                attention_mask=torch.ones_like(torch_ids),
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                num_return_sequences=args.generations,
+                max_new_tokens=args.new_tokens,
+                min_new_tokens=args.new_tokens,
+                pad_token_id=0,
+            )
+        assert out.shape == (rows, args.prompt_length + args.new_tokens), out.shape
+        return out
+
+    torch_generate(0)  # warm-up
+    torch_seconds = median_seconds(lambda r: torch_generate(r + 1), args.repeats)
+
+    # --- 2. prefill cost against G -------------------------------------------------------
+    long_ids = jnp.asarray(
+        rng.integers(3, config.vocab_size, (args.prompts, args.prefill_length)), jnp.int32
+    )
+    prefill = {}
+    for generations in (1, 16):
+        run = jgrpo_sampler(model, long_ids, jnp.ones_like(long_ids), generations, 1)
+        run(0)  # compile
+        prefill[generations] = median_seconds(run, args.repeats)
+
+    # --- report --------------------------------------------------------------------------
+    print(
+        f"preset {args.preset} ({config.num_params / 1e6:.1f}M params, f32); "
+        f"{args.prompts} prompts x {args.generations} generations = {rows} sequences, "
+        f"prompt length {args.prompt_length}, {args.new_tokens} new tokens each; "
+        f"median of {args.repeats}"
+    )
+    print(
+        f"jax {jax.__version__} ({jax.default_backend()}); torch {torch.__version__} "
+        f"({torch.get_num_threads()} threads)"
+    )
+    print(f"\n{'sampler':<28}{'seconds':>10}{'tokens/s':>12}")
+    print(f"{'jgrpo rollout':<28}{jgrpo_seconds:>10.2f}{generated / jgrpo_seconds:>12.0f}")
+    print(f"{'transformers generate':<28}{torch_seconds:>10.2f}{generated / torch_seconds:>12.0f}")
+    print(f"ratio jgrpo/transformers tokens/s: {torch_seconds / jgrpo_seconds:.2f}")
+    print(f"jgrpo first call (compile + one run, excluded above): {first_call_seconds:.1f} s")
+    print(
+        f"\nprefill: {args.prompts} prompts x {args.prefill_length} tokens, 1 new token: "
+        f"G=1 {prefill[1]:.3f} s, G=16 {prefill[16]:.3f} s, "
+        f"ratio {prefill[16] / prefill[1]:.2f} (target <= 1.3)"
+    )
+
+
+if __name__ == "__main__":
+    main()
