@@ -1,8 +1,9 @@
 """Hugging Face checkpoints in and out: config.json + safetensors, strictly checked.
 
 One table maps every parameter of `Transformer` to its HF tensor name. HF stores linear
-weights as [out, in]; ours are [in, ...out] kernels, so 2-D HF weights are transposed and
-every tensor is reshaped to the other side's shape. Nothing else is special-cased.
+weights as [out, in]; ours are [in, ...out] kernels, so 2-D HF weights other than the
+embedding table ([V, E] on both sides) are transposed, and every tensor is reshaped to the
+other side's shape.
 
 Only safetensors are read: pickle-based `.bin` files are refused, `trust_remote_code` never
 happens. Loading goes tensor by tensor (each file mapped only while one tensor is copied out)
@@ -25,7 +26,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from models.config import ModelConfig
-from models.transformer import Transformer, _layer_param_specs
+from models.transformer import Transformer, layer_param_specs
 
 # Our parameter -> HF tensor name; "{i}" is the layer index of a stacked layer parameter.
 _LAYER = "model.layers.{i}."
@@ -76,7 +77,7 @@ def _param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     }
     if not config.tie_word_embeddings:
         shapes["lm_head"] = (config.hidden_size, config.vocab_size)
-    for name, (shape, _) in _layer_param_specs(config).items():
+    for name, (shape, _) in layer_param_specs(config).items():
         shapes[f"layers.{name}"] = shape  # per layer; stacked along a leading axis
     return shapes
 

@@ -63,8 +63,8 @@ def constrain(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
 # --- parameters ----------------------------------------------------------------------------
 
 
-# name -> (shape given the config, logical axes); layer parameters get a leading "layers" axis.
-def _layer_param_specs(c: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
+def layer_param_specs(c: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
+    """name -> (shape, logical axes) of one layer's parameters; stacking adds a leading L."""
     e, m, h, k, d = c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim
     specs = {
         "attn_norm": ((e,), ("embed",)),
@@ -100,7 +100,7 @@ class DecoderLayers(nnx.Module):
     """The parameters of all layers, stacked: each attribute is [L, ...]."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
-        for name, (shape, axes) in _layer_param_specs(config).items():
+        for name, (shape, axes) in layer_param_specs(config).items():
             value = _init_value(name, (config.num_layers, *shape), rngs.params(), param_dtype)
             setattr(self, name, nnx.Param(value, out_sharding=("layers", *axes)))
 
@@ -139,7 +139,7 @@ class Transformer(nnx.Module):
     @property
     def unembedding(self) -> jax.Array:  # [E, V]
         """The output projection, for `jgrpo.chunked_token_logprobs(hidden, unembedding, ...)`."""
-        return self.embed[...].T if self.lm_head is None else self.lm_head[...]
+        return unembedding(self.params())
 
     def params(self) -> dict:
         """The parameter arrays as the pytree `forward` takes."""
@@ -242,10 +242,16 @@ def forward(
     return out if cache is None else (out, cache)
 
 
+def unembedding(params: dict) -> jax.Array:  # [E, V]
+    """The output projection: lm_head, or the transposed embedding table when tied."""
+    return params["lm_head"] if "lm_head" in params else params["embed"].T
+
+
 def logits_from_hidden(params: dict, hidden: jax.Array) -> jax.Array:
-    """f32 logits [..., V] from final hidden states [..., E] (tied or untied unembedding)."""
-    unembedding = params["lm_head"] if "lm_head" in params else params["embed"].T  # [E, V]
-    logits = jnp.einsum("...e,ev->...v", hidden, unembedding, preferred_element_type=jnp.float32)
+    """f32 logits [..., V] from final hidden states [..., E]."""
+    logits = jnp.einsum(
+        "...e,ev->...v", hidden, unembedding(params), preferred_element_type=jnp.float32
+    )
     if logits.ndim == 3:
         logits = constrain(logits, ("batch", "length", "vocab"))
     return logits

@@ -39,15 +39,20 @@ def test_presets_round_trip(name):
     assert ModelConfig.from_hf_config(config.to_hf_config()) == config
 
 
+BASE = {
+    "model_type": "llama",
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+}
+
+
 def test_transformers_4_spelling_is_read():
     """Hub config.json files written by transformers 4: rope_theta and rope_scaling on top."""
     legacy = {
-        "model_type": "llama",
-        "vocab_size": 128,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
+        **BASE,
         "num_key_value_heads": 1,
         "rope_theta": 500000.0,
         "rope_scaling": {
@@ -69,16 +74,6 @@ def test_transformers_4_spelling_is_read():
 def test_param_count_of_a_known_checkpoint():
     # Qwen2.5-0.5B is published as 494M parameters (tied embeddings).
     assert round(preset("qwen2.5-0.5b").num_params / 1e6) == 494
-
-
-BASE = {
-    "model_type": "llama",
-    "vocab_size": 128,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-}
 
 
 @pytest.mark.parametrize(
