@@ -1,6 +1,7 @@
 """jgrpo: JAX-native GRPO. The pure objective (advantages, loss, log-probs) is importable alone.
 
-Sampling and generation build on the `models` package (Flax); they are imported on first use,
+Sampling, generation and the update step build on the `models` package (Flax); they are
+imported on first use,
 so `import jgrpo` alone stays free of Flax for codebases that only want the objective.
 """
 
@@ -16,22 +17,34 @@ _LAZY = {
     "rollout": "jgrpo.sampling",
     "Rollout": "jgrpo.sampling",
     "SamplingConfig": "jgrpo.sampling",
+    "Batch": "jgrpo.update",
+    "TrainState": "jgrpo.update",
+    "UpdateConfig": "jgrpo.update",
+    "init_state": "jgrpo.update",
+    "make_optimizer": "jgrpo.update",
+    "train_step": "jgrpo.update",
 }
 
 __all__ = [
+    "Batch",
     "Generations",
     "GroupStats",
     "Rollout",
     "SamplingConfig",
+    "TrainState",
+    "UpdateConfig",
     "chunked_token_logprobs",
     "generate",
     "group_advantages",
     "group_statistics",
     "grpo_loss",
+    "init_state",
+    "make_optimizer",
     "rollout",
     "sequence_kl",
     "token_kl",
     "token_logprobs",
+    "train_step",
 ]
 __version__ = "0.1.0"
 

@@ -1,0 +1,246 @@
+"""The GRPO update as one jitted pure function: state and a rollout batch in, new state out.
+
+For one rollout batch of B sequences:
+1. old log-probs (when the ratio can move: num_iterations > 1 or several minibatches) and
+   reference log-probs (when beta > 0) are computed once, before any parameter changes;
+2. num_iterations (mu) passes, each over num_minibatches minibatches in order, one optimizer
+   step per minibatch; a minibatch may be split into micro-batches whose gradients are
+   accumulated (exactly, for loss_type "dapo", which normalises by the minibatch's tokens).
+
+Log-probs come from final hidden states through `jgrpo.chunked_token_logprobs`, so the
+[B, T, V] logits of a training step are never built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jgrpo.logprobs import chunked_token_logprobs
+from jgrpo.losses import grpo_loss
+from models.config import ModelConfig
+from models.transformer import forward, unembedding
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateConfig:
+    """Static settings of the update (part of the compiled program)."""
+
+    num_iterations: int = 1  # mu: passes over each rollout batch
+    num_minibatches: int = 1  # optimizer steps per pass
+    grad_accumulation: int = 1  # micro-batches per minibatch
+    loss_type: str = "dapo"
+    clip_eps: float = 0.2
+    clip_eps_high: float | None = None
+    beta: float = 0.0  # KL penalty in the loss; 0 = no reference model
+    kl_estimator: str = "k3"
+    ratio_level: str = "token"
+    temperature: float = 1.0  # must equal the sampling temperature
+    logprob_chunk_size: int = 4096
+
+    def __post_init__(self):
+        for name in ("num_iterations", "num_minibatches", "grad_accumulation"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}.")
+        if self.temperature <= 0:
+            raise ValueError(
+                f"temperature must be > 0 (the sampling temperature), got {self.temperature}."
+            )
+
+    @property
+    def needs_old_logprobs(self) -> bool:
+        """With one pass over one minibatch the policy has not moved: old = current."""
+        return self.num_iterations > 1 or self.num_minibatches > 1
+
+
+class TrainState(NamedTuple):
+    params: dict
+    opt_state: optax.OptState
+    step: jax.Array  # int32: optimizer steps taken
+
+
+class Batch(NamedTuple):
+    """One rollout: B = prompts x generations sequences of prompt (L) + completion (N)."""
+
+    input_ids: jax.Array  # int32[B, L + N]: left-padded prompt, then completion
+    attention_mask: jax.Array  # int32[B, L + N]: real prompt and completion tokens
+    completion_mask: jax.Array  # [B, N]: completion tokens that enter the loss
+    advantages: jax.Array  # f32[B]
+
+
+def make_optimizer(
+    learning_rate: float,
+    *,
+    total_steps: int,
+    warmup_steps: int = 0,
+    schedule: str = "constant",
+    weight_decay: float = 0.0,
+    max_grad_norm: float | None = 1.0,
+    b1: float = 0.9,
+    b2: float = 0.99,
+) -> optax.GradientTransformation:
+    """AdamW after global-norm clipping, with linear warmup then a constant or cosine lr."""
+    if learning_rate <= 0:
+        raise ValueError(f"learning_rate must be > 0, got {learning_rate}.")
+    if schedule == "cosine":
+        lr = optax.warmup_cosine_decay_schedule(
+            0.0, learning_rate, max(warmup_steps, 1), max(total_steps, warmup_steps + 1)
+        )
+    elif schedule == "constant":
+        warmup = optax.linear_schedule(0.0, learning_rate, max(warmup_steps, 1))
+        lr = optax.join_schedules([warmup, optax.constant_schedule(learning_rate)], [warmup_steps])
+    else:
+        raise ValueError(f"schedule must be one of 'constant', 'cosine'; got {schedule!r}.")
+    clip = optax.clip_by_global_norm(max_grad_norm) if max_grad_norm else optax.identity()
+    adamw = optax.inject_hyperparams(optax.adamw)(
+        learning_rate=lr, b1=b1, b2=b2, weight_decay=weight_decay
+    )
+    return optax.chain(clip, adamw)
+
+
+def completion_logprobs(
+    params: dict,
+    batch: Batch,
+    *,
+    model_config: ModelConfig,
+    temperature: float,
+    chunk_size: int,
+) -> tuple[jax.Array, jax.Array]:  # (f32[B, N], f32[B, N])
+    """Log-prob and entropy of every completion token under `params` (no [B, T, V] logits)."""
+    completion_length = batch.completion_mask.shape[1]
+    hidden = forward(
+        params,
+        batch.input_ids,
+        attention_mask=batch.attention_mask,
+        config=model_config,
+        return_hidden=True,
+    )  # [B, L + N, E]
+    predicting = hidden[:, -completion_length - 1 : -1]  # positions that predict completions
+    targets = batch.input_ids[:, -completion_length:]
+    return chunked_token_logprobs(
+        predicting, unembedding(params), targets, temperature=temperature, chunk_size=chunk_size
+    )
+
+
+def _split(tree, parts: int):
+    """[B, ...] leaves -> [parts, B / parts, ...]."""
+    return jax.tree.map(lambda x: x.reshape(parts, x.shape[0] // parts, *x.shape[1:]), tree)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("model_config", "update_config", "optimizer"),
+    donate_argnames=("state",),
+)
+def train_step(
+    state: TrainState,
+    batch: Batch,
+    ref_params: dict | None = None,
+    *,
+    model_config: ModelConfig,
+    update_config: UpdateConfig,
+    optimizer: optax.GradientTransformation,
+) -> tuple[TrainState, dict[str, jax.Array]]:
+    """num_iterations x num_minibatches optimizer steps on one rollout batch.
+
+    Returns the new state and metrics, each of shape [num_iterations, num_minibatches] (so
+    callers can see, for instance, the ratio move away from 1 in the second pass).
+    """
+    cfg = update_config
+    rows = batch.advantages.shape[0]
+    if rows % (cfg.num_minibatches * cfg.grad_accumulation):
+        raise ValueError(
+            f"the batch of {rows} sequences must divide into num_minibatches="
+            f"{cfg.num_minibatches} x grad_accumulation={cfg.grad_accumulation} equal parts."
+        )
+    if cfg.beta > 0 and ref_params is None:
+        raise ValueError(f"beta={cfg.beta} > 0 needs ref_params (the frozen initial weights).")
+    logprobs_of = functools.partial(
+        completion_logprobs,
+        model_config=model_config,
+        temperature=cfg.temperature,
+        chunk_size=cfg.logprob_chunk_size,
+    )
+
+    def frozen_logprobs(params):
+        """Log-probs of the whole batch under fixed params, one minibatch at a time."""
+        parts = _split(batch, cfg.num_minibatches)
+        logprobs = jax.lax.map(lambda part: logprobs_of(params, part)[0], parts)
+        return jax.lax.stop_gradient(logprobs.reshape(rows, -1))
+
+    extras = {}
+    if cfg.needs_old_logprobs:
+        extras["old_logprobs"] = frozen_logprobs(state.params)
+    if cfg.beta > 0:
+        extras["ref_logprobs"] = frozen_logprobs(ref_params)
+
+    def loss_fn(params, micro, micro_extras, minibatch_tokens):
+        logprobs, entropy = logprobs_of(params, micro)
+        old = micro_extras.get("old_logprobs", jax.lax.stop_gradient(logprobs))
+        loss, metrics = grpo_loss(
+            logprobs,
+            old,
+            micro.advantages,
+            micro.completion_mask,
+            ref_logprobs=micro_extras.get("ref_logprobs"),
+            loss_type=cfg.loss_type,
+            clip_eps=cfg.clip_eps,
+            clip_eps_high=cfg.clip_eps_high,
+            beta=cfg.beta,
+            kl_estimator=cfg.kl_estimator,
+            ratio_level=cfg.ratio_level,
+            total_tokens=minibatch_tokens,
+        )
+        mask = micro.completion_mask.astype(jnp.float32)
+        metrics["entropy"] = (entropy * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+        metrics["loss"] = loss
+        return loss, metrics
+
+    def minibatch_step(state, minibatch):
+        data, minibatch_extras = minibatch
+        tokens = data.completion_mask.sum()
+        micros = _split((data, minibatch_extras), cfg.grad_accumulation)
+
+        def accumulate(grads, micro):
+            micro_data, micro_extras = micro
+            (_, metrics), micro_grads = jax.value_and_grad(loss_fn, has_aux=True)(
+                state.params, micro_data, micro_extras, tokens
+            )
+            return jax.tree.map(jnp.add, grads, micro_grads), metrics
+
+        zeros = jax.tree.map(jnp.zeros_like, state.params)
+        grads, metrics = jax.lax.scan(accumulate, zeros, micros)
+        if cfg.loss_type != "dapo":  # dapo's micro-batch losses already sum to the minibatch's
+            grads = jax.tree.map(lambda g: g / cfg.grad_accumulation, grads)
+        metrics = jax.tree.map(jnp.mean, metrics)
+        metrics["loss"] = metrics["loss"] * (
+            cfg.grad_accumulation if cfg.loss_type == "dapo" else 1
+        )
+        metrics["grad_norm"] = optax.tree.norm(grads)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        lr = optax.tree_utils.tree_get(  # the injected value, when the optimizer has one
+            opt_state, "learning_rate", filtering=lambda _, value: isinstance(value, jax.Array)
+        )
+        if lr is not None:
+            metrics["lr"] = lr
+        params = optax.apply_updates(state.params, updates)
+        return TrainState(params, opt_state, state.step + 1), metrics
+
+    minibatches = _split((batch, extras), cfg.num_minibatches)
+
+    def one_pass(state, _):
+        return jax.lax.scan(minibatch_step, state, minibatches)
+
+    return jax.lax.scan(one_pass, state, None, length=cfg.num_iterations)
+
+
+def init_state(params: dict, optimizer: optax.GradientTransformation) -> TrainState:
+    """Step 0: the parameters and a fresh optimizer state."""
+    step = jnp.zeros((), jnp.int32)
+    return TrainState(params=params, opt_state=optimizer.init(params), step=step)
