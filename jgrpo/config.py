@@ -1,0 +1,282 @@
+"""The training config: a tree of frozen dataclasses, read from YAML plus `key=value` overrides.
+
+    config = load_config("configs/demo.yaml", ["rollout.num_generations=16", "optim.lr=1e-6"])
+
+Everything is validated before anything runs: an unknown key names the closest valid ones, a
+wrong type or an impossible value names the field and what would be accepted. Each field
+carries a one-line description, which `format_help()` lists with the defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import pathlib
+import types
+import typing
+from collections.abc import Sequence
+from typing import Any
+
+import yaml
+
+from jgrpo.advantages import SCALES
+from jgrpo.losses import KL_ESTIMATORS, LOSS_TYPES, RATIO_LEVELS
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message names the field and the fix."""
+
+
+def option(default: Any, help: str) -> Any:  # noqa: A002 (the natural name for a CLI)
+    """A dataclass field with its one-line description."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSection:
+    path: str | None = option(None, "HF checkpoint directory or hub name; None: the preset")
+    preset: str = option("tiny", "models preset used when path is None (random init)")
+    dtype: str = option("float32", "parameter dtype: float32 or bfloat16")
+    remat: bool = option(False, "recompute each layer in the backward pass (less memory)")
+
+    def check(self):
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"model.dtype must be 'float32' or 'bfloat16', got {self.dtype!r}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSection:
+    prompts_per_step: int = option(8, "prompts sampled per training step")
+    num_generations: int = option(8, "G: completions per prompt (the group), >= 2")
+    max_new_tokens: int = option(128, "N: completion length limit in tokens")
+    temperature: float = option(1.0, "sampling temperature, also used to score log-probs")
+    top_p: float = option(1.0, "nucleus sampling mass (1 = off)")
+    top_k: int = option(0, "sample among the k most likely tokens (0 = off)")
+    min_p: float = option(0.0, "drop tokens below min_p x the top probability (0 = off)")
+
+    def check(self):
+        if self.num_generations < 2:
+            raise ConfigError(
+                f"rollout.num_generations must be >= 2 (a group needs two completions to "
+                f"compare), got {self.num_generations}."
+            )
+        if self.temperature <= 0:
+            raise ConfigError(
+                f"rollout.temperature must be > 0 for training (greedy sampling gives no "
+                f"exploration and no log-probs), got {self.temperature}."
+            )
+        for name in ("prompts_per_step", "max_new_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"rollout.{name} must be >= 1, got {getattr(self, name)}.")
+        if not 0 < self.top_p <= 1 or self.top_k < 0 or not 0 <= self.min_p < 1:
+            raise ConfigError(
+                "rollout.top_p must be in (0, 1], rollout.top_k >= 0, rollout.min_p in [0, 1); "
+                f"got top_p={self.top_p}, top_k={self.top_k}, min_p={self.min_p}."
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgorithmSection:
+    scale: str = option("group", "advantage scaling: group, batch or none (Dr. GRPO)")
+    std_ddof: int = option(0, "0: population std; 1: sample std (TRL, verl)")
+    advantage_eps: float = option(1e-4, "added to the std before dividing")
+    advantage_clip: float | None = option(None, "clip advantages to [-c, c]; None = off")
+    loss_type: str = option("dapo", "aggregation: grpo, bnpo, dapo or dr_grpo")
+    clip_eps: float = option(0.2, "PPO clip range below 1")
+    clip_eps_high: float | None = option(None, "clip range above 1 (DAPO); None = clip_eps")
+    beta: float = option(0.0, "KL penalty weight; 0 = no reference model is loaded")
+    kl_estimator: str = option("k3", "KL estimator: k1, k2 or k3")
+    kl_in_reward: bool = option(False, "subtract beta x sequence KL from the reward, not the loss")
+    ratio_level: str = option("token", "importance ratio per token, or per sequence (GSPO)")
+    num_iterations: int = option(1, "mu: update passes over each rollout")
+    num_minibatches: int = option(1, "optimizer steps per pass")
+    grad_accumulation: int = option(1, "micro-batches per minibatch")
+
+    def check(self):
+        choices = {
+            "scale": SCALES,
+            "loss_type": LOSS_TYPES,
+            "kl_estimator": KL_ESTIMATORS,
+            "ratio_level": RATIO_LEVELS,
+            "std_ddof": (0, 1),
+        }
+        for name, accepted in choices.items():
+            if getattr(self, name) not in accepted:
+                options = ", ".join(repr(a) for a in accepted)
+                raise ConfigError(
+                    f"algorithm.{name} must be one of {options}; got {getattr(self, name)!r}."
+                )
+        if self.beta < 0:
+            raise ConfigError(f"algorithm.beta must be >= 0 (0 = off), got {self.beta}.")
+        if not 0 < self.clip_eps < 1:
+            raise ConfigError(f"algorithm.clip_eps must be in (0, 1), got {self.clip_eps}.")
+        for name in ("num_iterations", "num_minibatches", "grad_accumulation"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"algorithm.{name} must be >= 1, got {getattr(self, name)}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimSection:
+    lr: float = option(1e-6, "peak learning rate (AdamW)")
+    warmup_steps: int = option(0, "linear warmup from 0, in optimizer steps")
+    schedule: str = option("constant", "after warmup: constant or cosine")
+    weight_decay: float = option(0.0, "AdamW decoupled weight decay")
+    max_grad_norm: float | None = option(1.0, "global-norm gradient clipping; None = off")
+    b1: float = option(0.9, "Adam beta1")
+    b2: float = option(0.99, "Adam beta2")
+
+    def check(self):
+        if self.lr <= 0:
+            raise ConfigError(f"optim.lr must be > 0, got {self.lr}.")
+        if self.schedule not in ("constant", "cosine"):
+            raise ConfigError(
+                f"optim.schedule must be 'constant' or 'cosine', got {self.schedule!r}."
+            )
+        if self.warmup_steps < 0 or self.weight_decay < 0:
+            raise ConfigError("optim.warmup_steps and optim.weight_decay must be >= 0.")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSection:
+    steps: int = option(100, "training steps (one rollout batch each)")
+    seed: int = option(0, "seeds data order, initialisation and sampling")
+    run_dir: str = option("runs/demo", "checkpoints and metrics; rerun with it to resume")
+    eval_every: int = option(20, "evaluate on held-out prompts every N steps (0 = never)")
+    save_every: int = option(50, "checkpoint every N steps")
+    keep_checkpoints: int = option(3, "how many recent checkpoints to keep")
+
+    def check(self):
+        for name in ("steps", "save_every", "keep_checkpoints"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}.")
+        if self.eval_every < 0:
+            raise ConfigError(f"train.eval_every must be >= 0, got {self.eval_every}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    model: ModelSection = dataclasses.field(default_factory=ModelSection)
+    rollout: RolloutSection = dataclasses.field(default_factory=RolloutSection)
+    algorithm: AlgorithmSection = dataclasses.field(default_factory=AlgorithmSection)
+    optim: OptimSection = dataclasses.field(default_factory=OptimSection)
+    train: TrainSection = dataclasses.field(default_factory=TrainSection)
+
+    def check(self) -> Config:
+        for section in dataclasses.fields(self):
+            getattr(self, section.name).check()
+        rows = self.rollout.prompts_per_step * self.rollout.num_generations
+        parts = self.algorithm.num_minibatches * self.algorithm.grad_accumulation
+        if rows % parts:
+            raise ConfigError(
+                f"rollout.prompts_per_step x rollout.num_generations = {rows} sequences must "
+                f"divide into algorithm.num_minibatches x algorithm.grad_accumulation = {parts} "
+                "equal parts; change one of them."
+            )
+        return self
+
+
+_SECTIONS = {
+    "model": ModelSection,
+    "rollout": RolloutSection,
+    "algorithm": AlgorithmSection,
+    "optim": OptimSection,
+    "train": TrainSection,
+}
+
+
+def field_names() -> list[str]:
+    """Every dotted key of the config tree, e.g. 'rollout.num_generations'."""
+    return [f"{name}.{f.name}" for name, cls in _SECTIONS.items() for f in dataclasses.fields(cls)]
+
+
+def _unknown(key: str) -> ConfigError:
+    close = difflib.get_close_matches(key, field_names(), n=3, cutoff=0.5)
+    hint = f" Did you mean {' or '.join(close)}?" if close else ""
+    return ConfigError(f"unknown config key {key!r}.{hint} See --help for every key.")
+
+
+def _coerce(key: str, value: Any, annotation: Any) -> Any:
+    """Checks a value against a field's type (ints are accepted for floats)."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(annotation)
+        if value is None and type(None) in options:
+            return None
+        (annotation,) = [a for a in options if a is not type(None)]
+    if annotation is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if annotation is float and isinstance(value, str):
+        try:  # YAML 1.1 reads 1e-6 (no dot) as a string
+            return float(value)
+        except ValueError:
+            pass
+    if type(value) is annotation:  # exact: True is not an int here, 1 is not a bool
+        return value
+    raise ConfigError(
+        f"{key} must be {annotation.__name__}, got {value!r} ({type(value).__name__})."
+    )
+
+
+def _build(cls, values: dict[str, Any], prefix: str):
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for name, value in values.items():
+        key = prefix + name
+        if name not in known:
+            raise _unknown(key)
+        if cls is Config:
+            if not isinstance(value, dict):
+                raise ConfigError(f"{key} must be a mapping of its fields, got {value!r}.")
+            kwargs[name] = _build(_SECTIONS[name], value, key + ".")
+        else:
+            kwargs[name] = _coerce(key, value, hints[name])
+    return cls(**kwargs)
+
+
+def _set_dotted(tree: dict, key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = tree
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise _unknown(key)
+    node[parts[-1]] = value
+
+
+def load_config(path: str | pathlib.Path | None = None, overrides: Sequence[str] = ()) -> Config:
+    """The YAML file (if any), then each `dotted.key=value` (the value parsed as YAML)."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        loaded = yaml.safe_load(pathlib.Path(path).read_text()) or {}
+        if not isinstance(loaded, dict):
+            kind = type(loaded).__name__
+            raise ConfigError(f"{path} must hold a mapping of sections, got {kind}.")
+        tree = loaded
+    for override in overrides:
+        key, sep, text = override.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {override!r} must look like section.key=value.")
+        if key.strip() not in field_names():
+            raise _unknown(key.strip())
+        _set_dotted(tree, key.strip(), yaml.safe_load(text) if text.strip() else None)
+    return _build(Config, tree, "").check()
+
+
+def format_help() -> str:
+    """Every key with its type, default and description, section by section."""
+    lines = []
+    for section, cls in _SECTIONS.items():
+        lines.append(f"{section}:")
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            kind = getattr(hints[f.name], "__name__", str(hints[f.name]).replace("typing.", ""))
+            lines.append(
+                f"  {section}.{f.name} ({kind}, default {f.default!r}): {f.metadata['help']}"
+            )
+    return "\n".join(lines)
+
+
+def to_dict(config: Config) -> dict[str, Any]:
+    """The config as plain nested dicts (for YAML, JSON logs and checkpoints)."""
+    return dataclasses.asdict(config)
