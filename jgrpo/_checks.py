@@ -10,11 +10,13 @@ from collections.abc import Sequence
 from typing import Any
 
 
-def check_choice(name: str, value: Any, accepted: Sequence[Any]) -> None:
-    """Raises ValueError naming `name` and the accepted values if `value` is not one of them."""
+def check_choice(
+    name: str, value: Any, accepted: Sequence[Any], error: type[ValueError] = ValueError
+) -> None:
+    """Raises `error` naming `name` and the accepted values if `value` is not one of them."""
     if value not in accepted:
         options = ", ".join(repr(a) for a in accepted)
-        raise ValueError(f"{name} must be one of {options}; got {value!r}.")
+        raise error(f"{name} must be one of {options}; got {value!r}.")
 
 
 def check_shape(

@@ -19,7 +19,8 @@ from typing import Any
 
 import yaml
 
-from jgrpo.advantages import SCALES
+from jgrpo._checks import check_choice
+from jgrpo.advantages import SCALES, STD_DDOFS
 from jgrpo.losses import KL_ESTIMATORS, LOSS_TYPES, RATIO_LEVELS
 
 
@@ -98,14 +99,10 @@ class AlgorithmSection:
             "loss_type": LOSS_TYPES,
             "kl_estimator": KL_ESTIMATORS,
             "ratio_level": RATIO_LEVELS,
-            "std_ddof": (0, 1),
+            "std_ddof": STD_DDOFS,
         }
         for name, accepted in choices.items():
-            if getattr(self, name) not in accepted:
-                options = ", ".join(repr(a) for a in accepted)
-                raise ConfigError(
-                    f"algorithm.{name} must be one of {options}; got {getattr(self, name)!r}."
-                )
+            check_choice(f"algorithm.{name}", getattr(self, name), accepted, ConfigError)
         if self.beta < 0:
             raise ConfigError(f"algorithm.beta must be >= 0 (0 = off), got {self.beta}.")
         if not 0 < self.clip_eps < 1:

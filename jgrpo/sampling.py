@@ -151,44 +151,47 @@ def rollout(
         step=jnp.zeros((), jnp.int32),
         cache=cache,
         slot_mask=slot_mask,
-        next_logits=next_logits,
+        last_token=jnp.zeros((rows,), jnp.int32),
         tokens=jnp.full((rows, steps), sampling.pad_token_id, jnp.int32),
         logprobs=jnp.zeros((rows, steps), jnp.float32),
         lengths=jnp.zeros((rows,), jnp.int32),
         stopped=jnp.zeros((rows,), bool),
     )
 
-    def keep_going(state):
-        return (state["step"] < steps) & ~jnp.all(state["stopped"])
-
-    def decode_step(state):
+    def sample_step(state, logits):  # logits f32[P*G, V] for the token at state["step"]
         step, stopped = state["step"], state["stopped"]
-        token, logprob = sample_tokens(
-            state["next_logits"], jax.random.fold_in(key, step), sampling
-        )
+        step_key = jax.random.fold_in(key, step)
+        token, logprob = sample_tokens(logits, step_key, sampling)
         token = jnp.where(stopped, sampling.pad_token_id, token)
         logprob = jnp.where(stopped, 0.0, logprob)
         is_stop = jnp.isin(token, stop_ids) & ~stopped
-        slot_mask = state["slot_mask"].at[:, prompt_length + step].set(1)
-        logits, cache = forward(
-            params,
-            token[:, None],
-            attention_mask=slot_mask,
-            cache=state["cache"],
-            config=model_config,
-        )
         return dict(
+            state,
             step=step + 1,
-            cache=cache,
-            slot_mask=slot_mask,
-            next_logits=logits[:, 0],
+            last_token=token,
             tokens=state["tokens"].at[:, step].set(token),
             logprobs=state["logprobs"].at[:, step].set(logprob),
             lengths=state["lengths"] + (~stopped).astype(jnp.int32),
             stopped=stopped | is_stop,
         )
 
-    final = jax.lax.while_loop(keep_going, decode_step, start)
+    def keep_going(state):
+        return (state["step"] < steps) & ~jnp.all(state["stopped"])
+
+    def decode_step(state):
+        """Feeds the last drawn token (slot L + step - 1), then draws the next one."""
+        slot_mask = state["slot_mask"].at[:, prompt_length + state["step"] - 1].set(1)
+        logits, cache = forward(
+            params,
+            state["last_token"][:, None],
+            attention_mask=slot_mask,
+            cache=state["cache"],
+            config=model_config,
+        )
+        return sample_step(dict(state, cache=cache, slot_mask=slot_mask), logits[:, 0])
+
+    # Token 0 comes from the prefill's logits, so N tokens take N - 1 decode forwards.
+    final = jax.lax.while_loop(keep_going, decode_step, sample_step(start, next_logits))
     lengths = final["lengths"]
     return Rollout(
         tokens=final["tokens"],

@@ -214,13 +214,9 @@ class ModelConfig:
         return config
 
 
-def _preset(**fields) -> ModelConfig:
-    return ModelConfig(**fields)
-
-
 PRESETS: dict[str, ModelConfig] = {
     # Tests and the CPU demo: every switch of the Llama family, milliseconds per step.
-    "tiny": _preset(
+    "tiny": ModelConfig(
         model_type="llama",
         vocab_size=256,
         hidden_size=64,
@@ -231,7 +227,7 @@ PRESETS: dict[str, ModelConfig] = {
         head_dim=16,
     ),
     # 124.7M parameters (GPT-2-small scale): the CPU forward and rollout benchmarks.
-    "llama-125m": _preset(
+    "llama-125m": ModelConfig(
         model_type="llama",
         vocab_size=32_000,
         hidden_size=768,
@@ -244,7 +240,7 @@ PRESETS: dict[str, ModelConfig] = {
         rms_norm_eps=1e-5,
     ),
     # Shapes of released checkpoints (for memory planning; weights come from from_pretrained).
-    "qwen2.5-0.5b": _preset(
+    "qwen2.5-0.5b": ModelConfig(
         model_type="qwen2",
         vocab_size=151_936,
         hidden_size=896,
@@ -258,7 +254,7 @@ PRESETS: dict[str, ModelConfig] = {
         tie_word_embeddings=True,
         max_position_embeddings=32_768,
     ),
-    "qwen3-0.6b": _preset(
+    "qwen3-0.6b": ModelConfig(
         model_type="qwen3",
         vocab_size=151_936,
         hidden_size=1024,
@@ -272,7 +268,7 @@ PRESETS: dict[str, ModelConfig] = {
         tie_word_embeddings=True,
         max_position_embeddings=40_960,
     ),
-    "llama3.2-1b": _preset(
+    "llama3.2-1b": ModelConfig(
         model_type="llama",
         vocab_size=128_256,
         hidden_size=2048,

@@ -239,8 +239,9 @@ def save_pretrained(
     np_dtype = np.dtype(jnp.dtype(dtype or param_dtype))
 
     # Plan the shards from shapes alone, then convert and write one shard at a time.
+    shapes = _param_shapes(config)
     entries = []  # (HF name, our parameter path, layer index or None, bytes)
-    for param_path, shape in _param_shapes(config).items():
+    for param_path, shape in shapes.items():
         nbytes = int(np.prod(shape)) * np_dtype.itemsize
         layers = range(config.num_layers) if param_path.startswith("layers.") else [None]
         for name, layer in zip(_hf_names(param_path, config), layers, strict=True):
@@ -254,7 +255,6 @@ def save_pretrained(
         shards[-1].append(entry)
         shard_bytes += entry[3]
 
-    shapes = _param_shapes(config)
     weight_map = {}
     for k, shard in enumerate(shards):
         file = (

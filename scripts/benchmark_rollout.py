@@ -25,16 +25,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from benchmark_models import write_checkpoint  # scripts/ is on sys.path when run as a script
+from transformers import AutoModelForCausalLM
 
 import models
 from jgrpo.sampling import SamplingConfig, rollout
-
-
-def make_checkpoint(config: models.ModelConfig, directory: str) -> None:
-    """A random Llama checkpoint (seed 0) both sides load."""
-    torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(**config.to_hf_config())).save_pretrained(directory)
 
 
 def median_seconds(run, repeats: int) -> float:
@@ -85,7 +80,7 @@ def main() -> None:
     generated = rows * args.new_tokens
 
     with tempfile.TemporaryDirectory() as directory:
-        make_checkpoint(config, directory)
+        write_checkpoint(args.preset, directory)  # random Llama, seed 0: both sides load it
         model = models.from_pretrained(directory)
         torch_model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
 
