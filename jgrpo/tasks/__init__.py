@@ -1,0 +1,73 @@
+"""Tasks: a dataset of examples, how each becomes a prompt, and the rewards that score it.
+
+An example is a dict with a "prompt" (plain text, or chat messages for the tokenizer's chat
+template) and any other fields its reward functions read (e.g. "answer"). Examples are
+drawn in an order fixed by the seed, so a run's data position is a single integer that a
+checkpoint can store and a resumed run can continue from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from jgrpo.rewards import RewardFn
+
+
+@dataclasses.dataclass
+class Task:
+    """What to train on and how it is scored."""
+
+    name: str
+    train: Sequence[Mapping[str, Any]]
+    eval: Sequence[Mapping[str, Any]]  # held-out examples for greedy evaluation
+    reward_fns: dict[str, RewardFn]
+    reward_weights: dict[str, float]
+    correctness: str  # the reward that is 1.0 exactly when the answer is right (accuracy)
+    tokenizer: Any = None  # a task that brings its own (the demo); else the model's is used
+
+    def __post_init__(self):
+        if not self.train:
+            raise ValueError(f"task {self.name!r} has no training examples.")
+        if self.correctness not in self.reward_fns:
+            raise ValueError(
+                f"task {self.name!r}: correctness reward {self.correctness!r} is not one of "
+                f"its reward functions {sorted(self.reward_fns)}."
+            )
+        for row, example in enumerate(self.train):
+            if "prompt" not in example:
+                raise ValueError(f"task {self.name!r}: training example {row} has no 'prompt'.")
+
+    @property
+    def max_reward(self) -> float:
+        """The weighted reward of a completion every function scores 1.0."""
+        return float(sum(self.reward_weights.get(name, 1.0) for name in self.reward_fns))
+
+
+def take(
+    examples: Sequence[Mapping[str, Any]], count: int, *, position: int, seed: int
+) -> list[Mapping[str, Any]]:
+    """Examples position, position + 1, ... of the endless stream of seeded epoch shuffles."""
+    size = len(examples)
+    taken = []
+    for index in range(position, position + count):
+        epoch, offset = divmod(index, size)
+        order = np.random.default_rng([seed, epoch]).permutation(size)
+        taken.append(examples[int(order[offset])])
+    return taken
+
+
+def get_task(name: str, **options: Any) -> Task:
+    """A built-in task by name."""
+    from jgrpo.tasks import arithmetic
+
+    builders = {"addition": arithmetic.addition_task}
+    if name not in builders:
+        raise ValueError(f"unknown task {name!r}; built-in tasks: {', '.join(builders)}.")
+    return builders[name](**options)
+
+
+__all__ = ["Task", "get_task", "take"]

@@ -1,0 +1,111 @@
+"""The reward protocol: TRL signature, weights, None, exceptions, the failure share."""
+
+import logging
+import math
+
+import numpy as np
+import pytest
+
+from jgrpo.rewards import RewardError, score_completions
+
+
+def length_reward(prompts, completions, **_):
+    return [float(len(c)) for c in completions]
+
+
+def answer_reward(prompts, completions, answer, **_):
+    return [1.0 if c == a else 0.0 for c, a in zip(completions, answer, strict=True)]
+
+
+def test_weighted_sum_and_fields_reach_the_functions():
+    seen = {}
+
+    def spy(prompts, completions, answer, completion_ids, **kwargs):
+        seen.update(prompts=prompts, answer=answer, ids=completion_ids, extra=kwargs)
+        return [0.5] * len(completions)
+
+    scores = score_completions(
+        {"len": length_reward, "answer": answer_reward, "spy": spy},
+        {"len": 0.5, "answer": 2.0},  # spy: default weight 1
+        ["p0", "p1"],
+        ["ab", "7"],
+        {"answer": ["ab", "8"], "completion_ids": [[1, 2], [3]], "level": [1, 2]},
+    )
+    np.testing.assert_allclose(scores.total, [0.5 * 2 + 2.0 * 1 + 0.5, 0.5 * 1 + 0 + 0.5])
+    assert scores.valid.tolist() == [True, True]
+    np.testing.assert_array_equal(scores.per_function["answer"], [1.0, 0.0])
+    assert seen == {
+        "prompts": ["p0", "p1"],
+        "answer": ["ab", "8"],
+        "ids": [[1, 2], [3]],
+        "extra": {"level": [1, 2]},
+    }
+    assert scores.failures == {"len": 0, "answer": 0, "spy": 0}
+
+
+def test_none_leaves_a_function_out_and_all_none_is_invalid():
+    def only_first(prompts, completions, **_):
+        return [1.0, None, None]
+
+    def only_second(prompts, completions, **_):
+        return [3.0, 2.0, None]
+
+    scores = score_completions(
+        {"a": only_first, "b": only_second}, {"a": 1.0, "b": 1.0}, ["p"] * 3, ["x"] * 3, {}
+    )
+    np.testing.assert_allclose(scores.total, [4.0, 2.0, 0.0])
+    assert scores.valid.tolist() == [True, True, False]
+    assert math.isnan(scores.per_function["a"][1])
+    assert scores.failures == {"a": 0, "b": 0}  # None is not a failure
+
+
+def test_an_exception_scores_only_the_offending_rows_none(caplog):
+    def fragile(prompts, completions, **_):
+        return [1.0 / float(c) for c in completions]  # "zero" and "x" raise
+
+    completions = ["1", "2", "0", "4", "5", "8", "10", "20", "25", "x"]
+    with caplog.at_level(logging.WARNING, logger="jgrpo.rewards"):
+        scores = score_completions(
+            {"inv": fragile}, {}, ["p"] * 10, completions, {}, max_failure_share=0.2
+        )
+    values = scores.per_function["inv"]
+    assert np.isnan(values[2]) and np.isnan(values[9])
+    np.testing.assert_allclose(values[[0, 1, 3]], [1.0, 0.5, 0.25])
+    assert scores.valid.tolist() == [True, True, False] + [True] * 6 + [False]
+    assert scores.failures == {"inv": 2}
+    assert "failed on completion 2" in caplog.text and "'0'" in caplog.text
+
+
+def test_too_many_failures_stop_the_step_with_a_clear_message():
+    def broken(prompts, completions, **_):
+        raise KeyError("answer")
+
+    with pytest.raises(RewardError, match=r"4 of 8 reward scores failed.*broken: 4"):
+        score_completions({"broken": broken, "len": length_reward}, {}, ["p"] * 4, ["a"] * 4, {})
+
+
+def test_nan_counts_as_a_failure():
+    def nan_reward(prompts, completions, **_):
+        return [float("nan"), 1.0]
+
+    scores = score_completions(
+        {"n": nan_reward}, {}, ["p"] * 2, ["a", "b"], {}, max_failure_share=1
+    )
+    assert scores.failures == {"n": 1}
+    assert scores.valid.tolist() == [False, True]
+
+
+@pytest.mark.parametrize(
+    "returned, message",
+    [
+        ([1.0], "returned 1 values for 2 completions"),
+        (None, "returned None"),
+        (["high", 1.0], "returned 'high'"),
+    ],
+)
+def test_a_malformed_return_is_an_error_naming_the_function(returned, message):
+    def bad(prompts, completions, **_):
+        return returned
+
+    with pytest.raises(RewardError, match=f"'bad'.*{message}|{message}"):
+        score_completions({"bad": bad}, {}, ["p"] * 2, ["a", "b"], {})
