@@ -54,6 +54,7 @@ class RolloutSection:
     top_p: float = option(1.0, "nucleus sampling mass (1 = off)")
     top_k: int = option(0, "sample among the k most likely tokens (0 = off)")
     min_p: float = option(0.0, "drop tokens below min_p x the top probability (0 = off)")
+    max_prompt_length: int = option(256, "prompts are left-padded to this; longer is an error")
 
     def check(self):
         if self.num_generations < 2:
@@ -66,7 +67,7 @@ class RolloutSection:
                 f"rollout.temperature must be > 0 for training (greedy sampling gives no "
                 f"exploration and no log-probs), got {self.temperature}."
             )
-        for name in ("prompts_per_step", "max_new_tokens"):
+        for name in ("prompts_per_step", "max_new_tokens", "max_prompt_length"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"rollout.{name} must be >= 1, got {getattr(self, name)}.")
         if not 0 < self.top_p <= 1 or self.top_k < 0 or not 0 <= self.min_p < 1:
@@ -92,6 +93,11 @@ class AlgorithmSection:
     num_iterations: int = option(1, "mu: update passes over each rollout")
     num_minibatches: int = option(1, "optimizer steps per pass")
     grad_accumulation: int = option(1, "micro-batches per minibatch")
+    dynamic_sampling: bool = option(False, "DAPO: replace groups with equal rewards by new ones")
+    max_extra_rollouts: int = option(2, "dynamic sampling: extra rollouts allowed per step")
+    overlong_buffer: int = option(0, "DAPO soft overlong penalty over the last N tokens (0 = off)")
+    overlong_penalty: float = option(1.0, "overlong penalty at the length limit")
+    mask_truncated: bool = option(False, "leave completions that hit the limit out of the loss")
 
     def check(self):
         choices = {
@@ -110,6 +116,35 @@ class AlgorithmSection:
         for name in ("num_iterations", "num_minibatches", "grad_accumulation"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"algorithm.{name} must be >= 1, got {getattr(self, name)}.")
+        for name in ("max_extra_rollouts", "overlong_buffer"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"algorithm.{name} must be >= 0, got {getattr(self, name)}.")
+        if self.kl_in_reward and self.beta == 0:
+            raise ConfigError("algorithm.kl_in_reward needs algorithm.beta > 0 (its weight).")
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskSection:
+    name: str = option("addition", "built-in task (the demo: addition written as text)")
+    max_operand: int = option(9, "addition: operands go from 0 to this")
+    held_out: int = option(0, "addition: problems kept out of training for eval (0 = eval all)")
+    chat: bool = option(False, "addition: ask as a chat message (instruct models)")
+    eval_size: int = option(0, "evaluate on the first N eval examples (0 = all)")
+    max_reward_failure_share: float = option(
+        0.1, "stop if more than this share of a step's reward scores fail"
+    )
+
+    def check(self):
+        if self.max_operand < 1 or self.held_out < 0 or self.eval_size < 0:
+            raise ConfigError(
+                "task.max_operand must be >= 1, task.held_out and task.eval_size >= 0; got "
+                f"{self.max_operand}, {self.held_out}, {self.eval_size}."
+            )
+        if not 0 <= self.max_reward_failure_share <= 1:
+            raise ConfigError(
+                "task.max_reward_failure_share must be in [0, 1], got "
+                f"{self.max_reward_failure_share}."
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,6 +176,10 @@ class TrainSection:
     eval_every: int = option(20, "evaluate on held-out prompts every N steps (0 = never)")
     save_every: int = option(50, "checkpoint every N steps")
     keep_checkpoints: int = option(3, "how many recent checkpoints to keep")
+    export: bool = option(True, "write the final policy in HF format to run_dir/hf")
+    log_samples: int = option(2, "sample completions printed at each evaluation")
+    tensorboard: bool = option(True, "also write TensorBoard event files")
+    progress: bool = option(True, "show a progress bar")
 
     def check(self):
         for name in ("steps", "save_every", "keep_checkpoints"):
@@ -153,6 +192,7 @@ class TrainSection:
 @dataclasses.dataclass(frozen=True)
 class Config:
     model: ModelSection = dataclasses.field(default_factory=ModelSection)
+    task: TaskSection = dataclasses.field(default_factory=TaskSection)
     rollout: RolloutSection = dataclasses.field(default_factory=RolloutSection)
     algorithm: AlgorithmSection = dataclasses.field(default_factory=AlgorithmSection)
     optim: OptimSection = dataclasses.field(default_factory=OptimSection)
@@ -174,6 +214,7 @@ class Config:
 
 _SECTIONS = {
     "model": ModelSection,
+    "task": TaskSection,
     "rollout": RolloutSection,
     "algorithm": AlgorithmSection,
     "optim": OptimSection,
@@ -241,6 +282,25 @@ def _set_dotted(tree: dict, key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+# The built-in CPU demo: what `python -m jgrpo.train` runs without a CONFIG.yaml (overrides
+# still apply on top). configs/demo.yaml holds the same values, with comments.
+DEMO_OVERRIDES = (
+    "task.name=addition",
+    "task.max_operand=4",  # 25 problems, answers 0-8
+    "model.preset=tiny",
+    "rollout.prompts_per_step=32",
+    "rollout.num_generations=16",
+    "rollout.max_new_tokens=4",
+    "rollout.max_prompt_length=8",
+    "algorithm.beta=0.04",  # KL to the random init keeps the policy exploring
+    "optim.lr=1e-3",
+    "train.steps=500",
+    "train.eval_every=50",
+    "train.save_every=100",
+    "train.run_dir=runs/demo",
+)
+
+
 def load_config(path: str | pathlib.Path | None = None, overrides: Sequence[str] = ()) -> Config:
     """The YAML file (if any), then each `dotted.key=value` (the value parsed as YAML)."""
     tree: dict[str, Any] = {}
@@ -277,3 +337,8 @@ def format_help() -> str:
 def to_dict(config: Config) -> dict[str, Any]:
     """The config as plain nested dicts (for YAML, JSON logs and checkpoints)."""
     return dataclasses.asdict(config)
+
+
+def from_dict(tree: dict[str, Any]) -> Config:
+    """The inverse of `to_dict` (e.g. the config stored in a checkpoint), validated."""
+    return _build(Config, tree, "").check()

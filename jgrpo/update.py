@@ -74,6 +74,7 @@ class Batch(NamedTuple):
     advantages: jax.Array  # f32[B]
 
 
+@functools.lru_cache(maxsize=32)
 def make_optimizer(
     learning_rate: float,
     *,
@@ -85,7 +86,11 @@ def make_optimizer(
     b1: float = 0.9,
     b2: float = 0.99,
 ) -> optax.GradientTransformation:
-    """AdamW after global-norm clipping, with linear warmup then a constant or cosine lr."""
+    """AdamW after global-norm clipping, with linear warmup then a constant or cosine lr.
+
+    Equal settings return the same object: the optimizer is a static argument of
+    `train_step`, so a new run with the same settings reuses its compiled program.
+    """
     if learning_rate <= 0:
         raise ValueError(f"learning_rate must be > 0, got {learning_rate}.")
     if schedule == "cosine":

@@ -152,6 +152,15 @@ class Transformer(nnx.Module):
             params["lm_head"] = self.lm_head[...]
         return params
 
+    def load_params(self, params: dict) -> None:
+        """Sets the parameters from a pytree shaped like `params()` (e.g. after training)."""
+        self.embed.set_value(params["embed"])
+        self.final_norm.set_value(params["final_norm"])
+        if self.lm_head is not None:
+            self.lm_head.set_value(params["lm_head"])
+        for name, value in params["layers"].items():
+            getattr(self.layers, name).set_value(value)
+
     def __call__(
         self,
         input_ids: jax.Array,  # int[B, T]

@@ -87,3 +87,21 @@ def test_help_lists_every_field_with_default_and_description():
     assert "rollout.num_generations (int, default 8): G: completions per prompt" in text
     sections = [getattr(Config(), f.name) for f in dataclasses.fields(Config)]
     assert len(field_names()) == sum(len(dataclasses.fields(s)) for s in sections)
+
+
+def test_every_preset_in_configs_is_valid():
+    import pathlib
+
+    presets = sorted((pathlib.Path(__file__).parent.parent / "configs").glob("*.yaml"))
+    assert len(presets) >= 2
+    for preset in presets:
+        load_config(preset)  # raises ConfigError naming the field
+
+
+def test_the_demo_preset_file_matches_the_built_in_demo():
+    import pathlib
+
+    from jgrpo.config import DEMO_OVERRIDES
+
+    path = pathlib.Path(__file__).parent.parent / "configs" / "demo.yaml"
+    assert load_config(path) == load_config(None, DEMO_OVERRIDES)

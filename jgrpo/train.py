@@ -1,0 +1,760 @@
+"""`python -m jgrpo.train [CONFIG.yaml] [key=value ...]`: GRPO from a config, stage by stage.
+
+Each step:
+1. take the next prompts of the task (order fixed by the seed; the position is checkpointed);
+2. rollout: G completions per prompt (`jgrpo.sampling.rollout`);
+3. rewards: decode, call the task's reward functions (`jgrpo.rewards.score_completions`),
+   add the optional overlong penalty and KL-in-reward term; with dynamic sampling, groups
+   whose rewards are all equal are replaced by new prompts;
+4. advantages within each group (`jgrpo.group_advantages`);
+5. update: `jgrpo.train_step` (mu passes x minibatches, one jitted program, donated state);
+6. metrics; every N steps an evaluation and a checkpoint.
+
+Rerunning the same command with the same `train.run_dir` resumes from the last checkpoint;
+SIGTERM (TPU preemption) saves one and exits 0. With no arguments the CPU demo runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import pathlib
+import signal
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jgrpo import tasks
+from jgrpo.advantages import group_advantages
+from jgrpo.checkpoint import Checkpointer
+from jgrpo.config import (
+    DEMO_OVERRIDES,
+    Config,
+    ConfigError,
+    format_help,
+    load_config,
+    to_dict,
+)
+from jgrpo.generation import encode_prompts, stop_token_ids
+from jgrpo.losses import sequence_kl
+from jgrpo.metrics import MetricsWriter, ProgressBar
+from jgrpo.rewards import score_completions
+from jgrpo.sampling import SamplingConfig, rollout
+from jgrpo.update import (
+    Batch,
+    TrainState,
+    UpdateConfig,
+    completion_logprobs,
+    init_state,
+    make_optimizer,
+    train_step,
+)
+
+logger = logging.getLogger("jgrpo.train")
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss or the gradients stopped being finite; nothing was saved after that."""
+
+
+@dataclasses.dataclass
+class TrainResult:
+    state: TrainState
+    steps_done: int
+    run_dir: pathlib.Path
+    stopped_by_signal: bool = False
+
+
+# --- Setup -------------------------------------------------------------------------------
+
+
+def load_policy(config: Config, task: tasks.Task):
+    """The policy model and its tokenizer: an HF checkpoint, or a preset initialised at random."""
+    import models
+
+    dtype = jnp.dtype(config.model.dtype)
+    if config.model.path is not None:
+        from transformers import AutoTokenizer
+
+        model = models.from_pretrained(config.model.path, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(models.hf.resolve(config.model.path))
+    else:
+        if task.tokenizer is None:
+            raise ConfigError(
+                f"model.path is None (random init of preset {config.model.preset!r}) but task "
+                f"{task.name!r} brings no tokenizer; set model.path to an HF checkpoint."
+            )
+        from flax import nnx
+
+        tokenizer = task.tokenizer
+        model_config = models.preset(config.model.preset).replace(
+            vocab_size=len(tokenizer),
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        model = models.Transformer(
+            model_config, rngs=nnx.Rngs(config.train.seed), param_dtype=dtype
+        )
+    if config.model.remat:
+        model.config = model.config.replace(remat=True)
+    return model, tokenizer
+
+
+def build_task(config: Config) -> tasks.Task:
+    section = config.task
+    return tasks.get_task(
+        section.name,
+        max_operand=section.max_operand,
+        held_out=section.held_out,
+        chat=section.chat,
+        seed=config.train.seed,
+    )
+
+
+def update_config_of(config: Config, *, beta_in_loss: float) -> UpdateConfig:
+    algo = config.algorithm
+    return UpdateConfig(
+        num_iterations=algo.num_iterations,
+        num_minibatches=algo.num_minibatches,
+        grad_accumulation=algo.grad_accumulation,
+        loss_type=algo.loss_type,
+        clip_eps=algo.clip_eps,
+        clip_eps_high=algo.clip_eps_high,
+        beta=beta_in_loss,
+        kl_estimator=algo.kl_estimator,
+        ratio_level=algo.ratio_level,
+        temperature=config.rollout.temperature,
+    )
+
+
+def optimizer_of(config: Config):
+    algo, optim = config.algorithm, config.optim
+    return make_optimizer(
+        optim.lr,
+        total_steps=config.train.steps * algo.num_iterations * algo.num_minibatches,
+        warmup_steps=optim.warmup_steps,
+        schedule=optim.schedule,
+        weight_decay=optim.weight_decay,
+        max_grad_norm=optim.max_grad_norm,
+        b1=optim.b1,
+        b2=optim.b2,
+    )
+
+
+# --- Stages 1-3: prompts, rollout, rewards -------------------------------------------------
+
+
+def encode_examples(
+    tokenizer, examples: Sequence[Mapping[str, Any]], max_prompt_length: int
+) -> tuple[np.ndarray, np.ndarray]:  # (int32[P, L], int32[P, L])
+    """Left-pads prompts to exactly max_prompt_length (static shapes for the whole run)."""
+    token_lists = encode_prompts(tokenizer, [example["prompt"] for example in examples])
+    ids = np.full((len(examples), max_prompt_length), tokenizer.pad_token_id or 0, np.int32)
+    mask = np.zeros((len(examples), max_prompt_length), np.int32)
+    for row, tokens in enumerate(token_lists):
+        if len(tokens) > max_prompt_length:
+            raise ValueError(
+                f"prompt {examples[row]['prompt']!r} is {len(tokens)} tokens, more than "
+                f"rollout.max_prompt_length={max_prompt_length}; raise it (nothing is truncated)."
+            )
+        ids[row, max_prompt_length - len(tokens) :] = tokens
+        mask[row, max_prompt_length - len(tokens) :] = 1
+    return ids, mask
+
+
+def decode_completions(
+    tokenizer, tokens: np.ndarray, lengths: np.ndarray, truncated: np.ndarray
+) -> list[str]:
+    """Text of each completion without its final stop token.
+
+    Other special tokens stay visible (not skipped as TRL does), so a policy cannot satisfy
+    a text verifier by emitting tokens that decode to nothing.
+    """
+    ends = lengths - (~truncated).astype(lengths.dtype)  # drop the stop token
+    return [
+        tokenizer.decode(tokens[row, : ends[row]], skip_special_tokens=False)
+        for row in range(tokens.shape[0])
+    ]
+
+
+def as_completion(prompt: Any, text: str) -> Any:
+    """TRL's convention: chat prompts get chat completions, text prompts get text."""
+    return text if isinstance(prompt, str) else [{"role": "assistant", "content": text}]
+
+
+@dataclasses.dataclass
+class Groups:
+    """Rows of sampled groups with their rewards (host arrays, P * G rows, prompt-major)."""
+
+    prompt_ids: np.ndarray  # int32[R, L]
+    prompt_mask: np.ndarray  # int32[R, L]
+    tokens: np.ndarray  # int32[R, N]
+    mask: np.ndarray  # bool[R, N]
+    lengths: np.ndarray  # int32[R]
+    truncated: np.ndarray  # bool[R]
+    rewards: np.ndarray  # f32[R]: weighted sum + penalties
+    valid: np.ndarray  # bool[R]
+    per_function: dict[str, np.ndarray]  # name -> f32[R] (NaN where not scored)
+    texts: list[str]
+    prompts: list[Any]
+
+    def select_groups(self, groups: Sequence[int], group_size: int) -> Groups:
+        rows = np.concatenate([np.arange(g * group_size, (g + 1) * group_size) for g in groups])
+        pick = lambda x: x[rows]  # noqa: E731
+        return Groups(
+            prompt_ids=pick(self.prompt_ids),
+            prompt_mask=pick(self.prompt_mask),
+            tokens=pick(self.tokens),
+            mask=pick(self.mask),
+            lengths=pick(self.lengths),
+            truncated=pick(self.truncated),
+            rewards=pick(self.rewards),
+            valid=pick(self.valid),
+            per_function={k: pick(v) for k, v in self.per_function.items()},
+            texts=[self.texts[r] for r in rows],
+            prompts=[self.prompts[r] for r in rows],
+        )
+
+    @staticmethod
+    def concatenate(parts: Sequence[Groups]) -> Groups:
+        cat = lambda name: np.concatenate([getattr(p, name) for p in parts])  # noqa: E731
+        return Groups(
+            **{
+                name: cat(name)
+                for name in (
+                    "prompt_ids",
+                    "prompt_mask",
+                    "tokens",
+                    "mask",
+                    "lengths",
+                    "truncated",
+                    "rewards",
+                    "valid",
+                )
+            },
+            per_function={
+                k: np.concatenate([p.per_function[k] for p in parts]) for k in parts[0].per_function
+            },
+            texts=[t for p in parts for t in p.texts],
+            prompts=[t for p in parts for t in p.prompts],
+        )
+
+
+def zero_signal(rewards: np.ndarray, valid: np.ndarray, group_size: int) -> np.ndarray:
+    """bool[groups]: groups whose valid rewards are all equal (advantage 0, no gradient)."""
+    rewards = rewards.reshape(-1, group_size)
+    valid = valid.reshape(-1, group_size)
+    high = np.where(valid, rewards, -np.inf).max(axis=1)
+    low = np.where(valid, rewards, np.inf).min(axis=1)
+    return ~(high > low)
+
+
+def overlong_penalty(lengths: np.ndarray, limit: int, buffer: int, factor: float) -> np.ndarray:
+    """DAPO's soft penalty: 0 up to limit - buffer tokens, then linear down to -factor."""
+    if buffer == 0:
+        return np.zeros(lengths.shape, np.float32)
+    excess = np.clip(lengths - (limit - buffer), 0, buffer)
+    return (-factor * excess / buffer).astype(np.float32)
+
+
+class Trainer:
+    """Holds what the steps share (task, tokenizer, compiled settings); the loop is `run`."""
+
+    def __init__(self, config: Config, task: tasks.Task | None = None):
+        self.config = config
+        self.task = task if task is not None else build_task(config)
+        self.model, self.tokenizer = load_policy(config, self.task)
+        self.model_config = self.model.config
+        self.group_size = config.rollout.num_generations
+        r = config.rollout
+        self.sampling = SamplingConfig(
+            max_new_tokens=r.max_new_tokens,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            min_p=r.min_p,
+            stop_token_ids=stop_token_ids(self.tokenizer, self.model_config),
+            pad_token_id=self.tokenizer.pad_token_id or 0,
+        )
+        if not self.sampling.stop_token_ids:
+            raise ConfigError(
+                "the tokenizer and the model config define no EOS token, so completions could "
+                "never stop; use a checkpoint whose config.json or tokenizer sets eos_token_id."
+            )
+        self.greedy = dataclasses.replace(self.sampling, temperature=0.0, top_p=1.0, top_k=0)
+        algo = config.algorithm
+        self.kl_weight_in_reward = algo.beta if algo.kl_in_reward else 0.0
+        self.update_config = update_config_of(
+            config, beta_in_loss=0.0 if algo.kl_in_reward else algo.beta
+        )
+        self.optimizer = optimizer_of(config)
+
+    # Stage 2 and 3 for one batch of prompts.
+    def sample_and_score(self, params, ref_params, examples, key) -> tuple[Groups, dict]:
+        c, g = self.config, self.group_size
+        timings = {}
+        start = time.perf_counter()
+        prompt_ids, prompt_mask = encode_examples(
+            self.tokenizer, examples, c.rollout.max_prompt_length
+        )
+        result = rollout(
+            params,
+            jnp.asarray(prompt_ids),
+            jnp.asarray(prompt_mask),
+            key,
+            model_config=self.model_config,
+            num_generations=g,
+            sampling=self.sampling,
+        )
+        host = jax.device_get(result)
+        timings["time/rollout"] = time.perf_counter() - start
+
+        start = time.perf_counter()
+        tokens, lengths = np.asarray(host.tokens), np.asarray(host.lengths)
+        texts = decode_completions(self.tokenizer, tokens, lengths, np.asarray(host.truncated))
+        rows_examples = [example for example in examples for _ in range(g)]
+        prompts = [example["prompt"] for example in rows_examples]
+        fields = {
+            key: [example.get(key) for example in rows_examples]
+            for key in examples[0]
+            if key != "prompt"
+        }
+        fields["completion_ids"] = [
+            tokens[row, : lengths[row]].tolist() for row in range(len(texts))
+        ]
+        scores = score_completions(
+            self.task.reward_fns,
+            self.task.reward_weights,
+            prompts,
+            [as_completion(p, t) for p, t in zip(prompts, texts, strict=True)],
+            fields,
+            max_failure_share=c.task.max_reward_failure_share,
+        )
+        rewards = scores.total.copy()
+        per_function = dict(scores.per_function)
+        if c.algorithm.overlong_buffer:
+            penalty = overlong_penalty(
+                lengths,
+                c.rollout.max_new_tokens,
+                c.algorithm.overlong_buffer,
+                c.algorithm.overlong_penalty,
+            )
+            rewards += penalty
+            per_function["overlong"] = penalty
+        timings["time/reward"] = time.perf_counter() - start
+
+        repeat = lambda x: np.repeat(x, g, axis=0)  # noqa: E731
+        groups = Groups(
+            prompt_ids=repeat(prompt_ids),
+            prompt_mask=repeat(prompt_mask),
+            tokens=tokens,
+            mask=np.asarray(host.mask),
+            lengths=lengths,
+            truncated=np.asarray(host.truncated),
+            rewards=rewards,
+            valid=scores.valid,
+            per_function=per_function,
+            texts=texts,
+            prompts=prompts,
+        )
+        if self.kl_weight_in_reward:
+            start = time.perf_counter()
+            batch = self.to_batch(groups, np.zeros(len(texts), np.float32))
+            ref = jax.device_get(self.frozen_logprobs(ref_params, batch))
+            kl = np.asarray(
+                sequence_kl(
+                    jnp.asarray(host.logprobs),
+                    jnp.asarray(ref),
+                    jnp.asarray(groups.mask),
+                    kl_estimator=c.algorithm.kl_estimator,
+                )
+            )
+            groups.rewards = groups.rewards - self.kl_weight_in_reward * kl
+            groups.per_function["kl_penalty"] = -self.kl_weight_in_reward * kl
+            timings["time/reward"] += time.perf_counter() - start
+        timings["reward_failures"] = sum(scores.failures.values())
+        return groups, timings
+
+    def frozen_logprobs(self, params, batch: Batch) -> jax.Array:
+        return _frozen_logprobs(
+            params,
+            batch,
+            model_config=self.model_config,
+            temperature=self.config.rollout.temperature,
+        )
+
+    def to_batch(self, groups: Groups, advantages: np.ndarray) -> Batch:
+        completion_mask = groups.mask
+        if self.config.algorithm.mask_truncated:
+            completion_mask = completion_mask & ~groups.truncated[:, None]
+        return Batch(
+            input_ids=jnp.asarray(np.concatenate([groups.prompt_ids, groups.tokens], axis=1)),
+            attention_mask=jnp.asarray(
+                np.concatenate([groups.prompt_mask, groups.mask.astype(np.int32)], axis=1)
+            ),
+            completion_mask=jnp.asarray(completion_mask),
+            advantages=jnp.asarray(advantages, jnp.float32),
+        )
+
+    def collect(self, params, ref_params, key, position: int) -> tuple[Groups, dict, int]:
+        """Stages 1-3: rollouts (more than one with dynamic sampling) -> the step's groups."""
+        c, g = self.config, self.group_size
+        p = c.rollout.prompts_per_step
+        attempts = 1 + (c.algorithm.max_extra_rollouts if c.algorithm.dynamic_sampling else 0)
+        sampled: list[Groups] = []
+        kept: list[Groups] = []
+        metrics: dict[str, float] = {"time/rollout": 0.0, "time/reward": 0.0}
+        failures = 0
+        for attempt in range(attempts):
+            examples = tasks.take(self.task.train, p, position=position, seed=c.train.seed)
+            position += p
+            groups, timings = self.sample_and_score(
+                params, ref_params, examples, jax.random.fold_in(key, attempt)
+            )
+            metrics["time/rollout"] += timings["time/rollout"]
+            metrics["time/reward"] += timings["time/reward"]
+            failures += timings["reward_failures"]
+            sampled.append(groups)
+            if not c.algorithm.dynamic_sampling:
+                break
+            with_signal = np.flatnonzero(~zero_signal(groups.rewards, groups.valid, g))
+            if with_signal.size:
+                kept.append(groups.select_groups(with_signal, g))
+            if sum(len(k.rewards) for k in kept) >= p * g:
+                break
+        everything = Groups.concatenate(sampled)
+        flat_all = zero_signal(everything.rewards, everything.valid, g)
+        batch_groups = everything
+        if c.algorithm.dynamic_sampling:
+            missing = p - sum(len(k.rewards) for k in kept) // g
+            if missing > 0:  # extra rollouts exhausted: fill with zero-signal groups
+                kept.append(everything.select_groups(np.flatnonzero(flat_all)[:missing], g))
+            batch_groups = Groups.concatenate(kept).select_groups(range(p), g)
+            metrics["dynamic/extra_rollouts"] = len(sampled) - 1
+            metrics["dynamic/zero_signal_kept"] = max(missing, 0)
+
+        valid = everything.valid
+        rewards = everything.rewards[valid]
+        metrics["reward/mean"] = float(rewards.mean()) if rewards.size else float("nan")
+        metrics["reward/std"] = float(rewards.std()) if rewards.size else float("nan")
+        for name, values in everything.per_function.items():
+            scored = values[~np.isnan(values)]
+            metrics[f"reward/{name}"] = float(scored.mean()) if scored.size else float("nan")
+        metrics["valid_frac"] = float(valid.mean())
+        metrics["reward_failures"] = failures
+        metrics["frac_zero_std"] = float(flat_all.mean())
+        metrics["completion_len/mean"] = float(everything.lengths.mean())
+        metrics["completion_len/max"] = int(everything.lengths.max())
+        metrics["truncated_frac"] = float(everything.truncated.mean())
+        metrics["tokens"] = int(everything.lengths.sum())
+        return batch_groups, metrics, position
+
+    def advantages(self, groups: Groups) -> np.ndarray:
+        algo, g = self.config.algorithm, self.group_size
+        rows = len(groups.rewards)
+        return np.asarray(
+            group_advantages(
+                jnp.asarray(groups.rewards),
+                jnp.asarray(np.arange(rows) // g, jnp.int32),
+                rows // g,
+                valid=jnp.asarray(groups.valid),
+                scale=algo.scale,
+                std_ddof=algo.std_ddof,
+                eps=algo.advantage_eps,
+                clip=algo.advantage_clip,
+            )
+        )
+
+    def step(
+        self, state: TrainState, ref_params, step: int, position: int
+    ) -> tuple[TrainState, dict[str, float], int]:
+        """One GRPO step (stages 1-5); the PRNG key is a pure function of the seed and step."""
+        started = time.perf_counter()
+        key = jax.random.fold_in(jax.random.key(self.config.train.seed), step)
+        groups, metrics, position = self.collect(state.params, ref_params, key, position)
+        advantages = self.advantages(groups)
+        batch = self.to_batch(groups, advantages)
+
+        update_start = time.perf_counter()
+        state, update = train_step(
+            state,
+            batch,
+            ref_params if self.update_config.beta > 0 else None,
+            model_config=self.model_config,
+            update_config=self.update_config,
+            optimizer=self.optimizer,
+        )
+        metrics.update(_update_metrics(jax.device_get(update)))
+        metrics["time/update"] = time.perf_counter() - update_start
+        valid = advantages[groups.valid]
+        metrics["advantage/mean"] = float(valid.mean()) if valid.size else 0.0
+        metrics["advantage/std"] = float(valid.std()) if valid.size else 0.0
+        metrics["advantage/abs_max"] = float(np.abs(valid).max()) if valid.size else 0.0
+        metrics["time/step"] = time.perf_counter() - started
+        metrics["tokens_per_s"] = metrics.pop("tokens") / metrics["time/step"]
+        return state, metrics, position
+
+    def evaluate(self, params) -> tuple[dict[str, float], list[tuple[Any, str, float]]]:
+        """Greedy completions of the eval examples: mean reward and accuracy."""
+        c, task = self.config, self.task
+        examples = list(task.eval[: c.task.eval_size] if c.task.eval_size else task.eval)
+        chunk = c.rollout.prompts_per_step
+        totals, correct, samples = [], [], []
+        for start in range(0, len(examples), chunk):
+            part = examples[start : start + chunk]
+            padded = part + [part[-1]] * (chunk - len(part))  # same shape for every chunk
+            ids, mask = encode_examples(self.tokenizer, padded, c.rollout.max_prompt_length)
+            result = jax.device_get(
+                rollout(
+                    params,
+                    jnp.asarray(ids),
+                    jnp.asarray(mask),
+                    jax.random.key(0),
+                    model_config=self.model_config,
+                    num_generations=1,
+                    sampling=self.greedy,
+                )
+            )
+            tokens, lengths = np.asarray(result.tokens), np.asarray(result.lengths)
+            texts = decode_completions(
+                self.tokenizer, tokens, lengths, np.asarray(result.truncated)
+            )[: len(part)]
+            prompts = [e["prompt"] for e in part]
+            fields = {k: [e.get(k) for e in part] for k in part[0] if k != "prompt"}
+            fields["completion_ids"] = [tokens[r, : lengths[r]].tolist() for r in range(len(part))]
+            scores = score_completions(
+                task.reward_fns,
+                task.reward_weights,
+                prompts,
+                [as_completion(p, t) for p, t in zip(prompts, texts, strict=True)],
+                fields,
+                max_failure_share=c.task.max_reward_failure_share,
+            )
+            totals.extend(scores.total.tolist())
+            correct.extend((scores.per_function[task.correctness] >= 1.0).tolist())
+            samples.extend(zip(prompts, texts, scores.total.tolist(), strict=True))
+        metrics = {
+            "eval/reward": float(np.mean(totals)),
+            "eval/accuracy": float(np.mean(correct)),
+        }
+        spread = max(1, len(samples) // max(c.train.log_samples, 1))  # across the eval set
+        return metrics, samples[::spread][: c.train.log_samples]
+
+
+@jax.jit(static_argnames=("model_config", "temperature"))
+def _frozen_logprobs(params, batch: Batch, *, model_config, temperature) -> jax.Array:
+    return completion_logprobs(
+        params, batch, model_config=model_config, temperature=temperature, chunk_size=4096
+    )[0]
+
+
+def _update_metrics(update: dict[str, np.ndarray]) -> dict[str, float]:
+    """Means over the [num_iterations, num_minibatches] optimizer steps (lr: the last)."""
+    names = {
+        "loss": "loss",
+        "kl_mean": "kl",
+        "clip_frac_low": "clip_frac/low",
+        "clip_frac_high": "clip_frac/high",
+        "ratio_mean": "ratio/mean",
+        "entropy": "entropy",
+        "grad_norm": "grad_norm",
+    }
+    metrics = {ours: float(np.mean(update[key])) for key, ours in names.items() if key in update}
+    if "lr" in update:
+        metrics["lr"] = float(np.asarray(update["lr"]).reshape(-1)[-1])
+    return metrics
+
+
+class _Preemption:
+    """Turns SIGTERM into a flag the loop checks between steps (main thread only)."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+
+    def __enter__(self):
+        if _in_main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        logger.warning("SIGTERM: saving a checkpoint after this step, then exiting.")
+        self.requested = True
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+
+
+def _in_main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def train(
+    config: Config,
+    *,
+    task: tasks.Task | None = None,
+    on_step: Callable[[int, dict[str, float]], None] | None = None,
+) -> TrainResult:
+    """Runs (or resumes) the GRPO loop the config describes; returns the final state.
+
+    `task` replaces the config's built-in task (bring your own data and reward functions);
+    `on_step(step, metrics)` is called after each step's metrics are written.
+    """
+    c = config
+    trainer = Trainer(c, task)
+    run_dir = pathlib.Path(c.train.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+    params = trainer.model.params()
+    needs_ref = c.algorithm.beta > 0
+    # A separate copy: the update donates (and so invalidates) the state's buffers.
+    ref_params = jax.tree.map(jnp.copy, params) if needs_ref else None
+    state = init_state(jax.tree.map(jnp.copy, params), trainer.optimizer)
+    checkpointer = Checkpointer(run_dir / "checkpoints", keep=c.train.keep_checkpoints)
+    step, position = 0, 0
+    latest = checkpointer.latest_step()
+    if latest is not None:
+        state, meta = checkpointer.restore(state)
+        step, position = int(meta["step"]), int(meta["data_position"])
+        logger.info("resuming %s from step %d", run_dir, step)
+    writer = MetricsWriter(
+        run_dir, resume_step=step if latest is not None else None, tensorboard=c.train.tensorboard
+    )
+    progress = ProgressBar(c.train.steps, initial_step=step, enabled=c.train.progress)
+    last_saved = latest
+
+    def save(done: int):
+        nonlocal last_saved
+        meta = {"step": done, "data_position": position, "seed": c.train.seed, "config": to_dict(c)}
+        checkpointer.save(done, state, meta)
+        last_saved = done
+
+    stopped = False
+    try:
+        with _Preemption() as preemption:
+            while step < c.train.steps:
+                state, metrics, position = trainer.step(state, ref_params, step, position)
+                step += 1
+                if not (np.isfinite(metrics["loss"]) and np.isfinite(metrics["grad_norm"])):
+                    where = (
+                        f"the last good checkpoint is step {last_saved} in {checkpointer.directory}"
+                        if last_saved is not None
+                        else "no checkpoint was written yet"
+                    )
+                    raise TrainingDiverged(
+                        f"step {step}: loss={metrics['loss']} grad_norm={metrics['grad_norm']} "
+                        f"is not finite; {where} (rerunning resumes from it). Lower optim.lr, "
+                        "keep optim.max_grad_norm set, or use model.dtype=float32."
+                    )
+
+                if c.train.eval_every and (step % c.train.eval_every == 0 or step == c.train.steps):
+                    eval_metrics, samples = trainer.evaluate(state.params)
+                    metrics.update(eval_metrics)
+                    for prompt, text, reward in samples:
+                        logger.info(
+                            "step %d sample (reward %.3g): %r -> %r", step, reward, prompt, text
+                        )
+                writer.write(step, metrics)
+                progress.update(step, metrics)
+                if step % c.train.save_every == 0 or step == c.train.steps:
+                    save(step)
+                if on_step is not None:
+                    on_step(step, metrics)
+                if preemption.requested:
+                    if last_saved != step:
+                        save(step)
+                    stopped = True
+                    break
+    finally:
+        progress.close()
+        writer.close()
+        checkpointer.close()
+    if step >= c.train.steps and c.train.export and not stopped:
+        export(trainer, state.params, run_dir / "hf")
+    return TrainResult(state=state, steps_done=step, run_dir=run_dir, stopped_by_signal=stopped)
+
+
+def export(trainer: Trainer, params, directory: pathlib.Path) -> pathlib.Path:
+    """The trained policy as an HF checkpoint (config, safetensors, tokenizer)."""
+    import models
+
+    trainer.model.load_params(params)
+    models.save_pretrained(trainer.model, directory)
+    if getattr(trainer.model, "source_dir", None) is None:
+        trainer.tokenizer.save_pretrained(directory)
+    logger.info("exported the policy to %s", directory)
+    return directory
+
+
+def export_checkpoint(
+    run_dir: str | pathlib.Path, out_dir: str | pathlib.Path, *, step: int | None = None
+) -> pathlib.Path:
+    """A checkpoint of `run_dir` (default: the latest) in HF format, using the run's config."""
+    from jgrpo.config import from_dict
+
+    with Checkpointer(pathlib.Path(run_dir) / "checkpoints") as checkpointer:
+        steps = checkpointer.all_steps()
+        if not steps:
+            raise FileNotFoundError(f"{run_dir} has no checkpoint to export.")
+        chosen = steps[-1] if step is None else step
+        meta = checkpointer.restore_meta(chosen)
+        trainer = Trainer(from_dict(meta["config"]))
+        optimizer_state = init_state(trainer.model.params(), trainer.optimizer)
+        state, _ = checkpointer.restore(optimizer_state, step=chosen)
+    return export(trainer, state.params, pathlib.Path(out_dir))
+
+
+def parse_args(argv: Sequence[str]) -> tuple[str | None, list[str]]:
+    """[CONFIG.yaml] [key=value ...] -> (config path or None, overrides)."""
+    if argv and "=" not in argv[0]:
+        return argv[0], list(argv[1:])
+    return None, list(argv)
+
+
+def _log_to_stderr() -> None:
+    """jgrpo's INFO messages (resume, samples, export) on stderr, whatever else set logging up."""
+    log = logging.getLogger("jgrpo")
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("-h", "--help"):
+        print(
+            "usage: python -m jgrpo.train [CONFIG.yaml] [section.key=value ...]\n\n"
+            "Without CONFIG.yaml the CPU demo runs (a small model learns addition from scratch),\n"
+            f"with any overrides on top; the demo sets: {' '.join(DEMO_OVERRIDES)}\n"
+            "Rerun with the same train.run_dir to resume.\n\nConfig keys:\n" + format_help()
+        )
+        return 0
+    _log_to_stderr()
+    path, overrides = parse_args(argv)
+    if path is None:  # the built-in demo, with any overrides on top
+        overrides = [*DEMO_OVERRIDES, *overrides]
+    try:
+        config = load_config(path, overrides)
+    except (ConfigError, FileNotFoundError) as error:
+        print(f"config error: {error}", file=sys.stderr)
+        return 2
+    result = train(config)
+    if result.stopped_by_signal:
+        logger.info("stopped by SIGTERM after step %d; rerun to resume.", result.steps_done)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

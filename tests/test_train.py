@@ -1,0 +1,414 @@
+"""The training loop end to end on the tiny demo config: metrics, checkpoints, resume, export."""
+
+import os
+import pathlib
+import runpy
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from jgrpo import train as train_module
+from jgrpo.config import load_config
+from jgrpo.metrics import read_metrics
+from jgrpo.rewards import RewardError
+from jgrpo.tasks import Task
+from jgrpo.tasks.arithmetic import addition_task
+
+TINY = [
+    "rollout.max_prompt_length=8",
+    "rollout.max_new_tokens=4",
+    "rollout.prompts_per_step=4",
+    "rollout.num_generations=4",
+    "optim.lr=1e-3",
+    "train.progress=false",
+    "train.tensorboard=false",
+]
+
+REQUIRED_METRICS = {
+    "step",
+    "reward/mean",
+    "reward/std",
+    "reward/correct",
+    "reward/format",
+    "frac_zero_std",
+    "advantage/mean",
+    "advantage/std",
+    "loss",
+    "clip_frac/low",
+    "clip_frac/high",
+    "entropy",
+    "completion_len/mean",
+    "truncated_frac",
+    "lr",
+    "grad_norm",
+    "time/rollout",
+    "time/reward",
+    "time/update",
+    "tokens_per_s",
+}
+
+
+def tiny_config(run_dir, *extra):
+    return load_config(None, [*TINY, f"train.run_dir={run_dir}", *extra])
+
+
+def assert_trees_equal(a, b):
+    jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a, b)
+
+
+def test_end_to_end_metrics_checkpoints_eval_and_export(tmp_path, count_compiles):
+    import models
+
+    config = tiny_config(
+        tmp_path,
+        "train.steps=4",
+        "train.save_every=2",
+        "train.eval_every=1",
+        "train.keep_checkpoints=1",
+        "train.tensorboard=true",
+    )
+    compiles_after = {}
+    result = train_module.train(
+        config, on_step=lambda step, _: compiles_after.update({step: count_compiles()})
+    )
+
+    lines = read_metrics(tmp_path)
+    assert [line["step"] for line in lines] == [1, 2, 3, 4]
+    for line in lines:
+        assert line.keys() >= REQUIRED_METRICS, REQUIRED_METRICS - line.keys()
+        assert 0 <= line["eval/accuracy"] <= 1 and 0 <= line["frac_zero_std"] <= 1
+        assert 0 < line["completion_len/mean"] <= 4
+    # Nothing compiles after the first step (rollout, update, eval all reuse their programs).
+    assert compiles_after[4] == compiles_after[1], compiles_after
+    assert list((tmp_path / "tensorboard").iterdir())
+    checkpoints = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert checkpoints == ["4"]  # keep_checkpoints=1
+    # The HF export holds the final parameters and loads back (with the task's tokenizer).
+    exported = models.from_pretrained(tmp_path / "hf")
+    assert_trees_equal(exported.params(), result.state.params)
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(tmp_path / "hf")("3+4=")["input_ids"][1:] == [6, 13, 7, 14]
+    # Any checkpoint exports on request, with the config stored in it.
+    script = pathlib.Path(__file__).parent.parent / "scripts" / "export_checkpoint.py"
+    export_script = runpy.run_path(str(script))  # its main(), in this process
+    assert export_script["main"]([str(tmp_path), str(tmp_path / "again")]) == tmp_path / "again"
+    assert_trees_equal(models.from_pretrained(tmp_path / "again").params(), result.state.params)
+    # Rerunning a finished run resumes at its end and does nothing more.
+    again = train_module.train(tiny_config(tmp_path, "train.steps=4", "train.export=false"))
+    assert again.steps_done == 4 and len(read_metrics(tmp_path)) == 4
+    assert_trees_equal(again.state.params, result.state.params)
+
+
+def test_the_policy_changes_and_adam_state_is_saved(tmp_path):
+    config = tiny_config(tmp_path, "train.steps=2", "train.save_every=1", "train.eval_every=0")
+    trainer = train_module.Trainer(config)
+    initial = jax.tree.map(np.asarray, trainer.model.params())
+    result = train_module.train(config)
+    changed = jax.tree.map(
+        lambda a, b: not np.array_equal(a, np.asarray(b)), initial, result.state.params
+    )
+    assert all(jax.tree.leaves(changed))
+    assert int(result.state.step) == 2  # one optimizer step per training step here
+
+
+# --- Resume after a kill ---------------------------------------------------------------------
+
+KILL_SCRIPT = textwrap.dedent(
+    """
+    import sys, time
+    from jgrpo.config import load_config
+    from jgrpo.train import train
+    config = load_config(None, sys.argv[1:])
+    # A pause after each step, so the parent's signal lands between steps.
+    train(config, on_step=lambda step, _: time.sleep(1.0))
+    """
+)
+
+RESUME = ["train.steps=4", "train.eval_every=0", "train.export=false"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("uninterrupted")
+    return train_module.train(tiny_config(run_dir, *RESUME))
+
+
+def run_and_signal(run_dir, sig, *overrides, when) -> subprocess.CompletedProcess:
+    """Starts a run in a new process and sends it `sig` once the path `when` exists."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", KILL_SCRIPT, *TINY, f"train.run_dir={run_dir}", *RESUME, *overrides],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=dict(os.environ),
+    )
+    deadline = time.monotonic() + 240
+    while not when() and process.poll() is None:
+        assert time.monotonic() < deadline, "the run never got there"
+        time.sleep(0.05)
+    process.send_signal(sig)
+    output, _ = process.communicate(timeout=120)
+    return subprocess.CompletedProcess(process.args, process.returncode, output)
+
+
+def test_sigkill_then_rerun_reaches_the_uninterrupted_parameters(tmp_path, uninterrupted):
+    checkpoint_2 = tmp_path / "checkpoints" / "2"
+    killed = run_and_signal(
+        tmp_path, signal.SIGKILL, "train.save_every=2", when=checkpoint_2.exists
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stdout
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["2"]  # killed mid-run
+    resumed = train_module.train(tiny_config(tmp_path, *RESUME, "train.save_every=2"))
+    assert resumed.steps_done == 4
+    assert_trees_equal(resumed.state, uninterrupted.state)
+    assert [line["step"] for line in read_metrics(tmp_path)] == [1, 2, 3, 4]
+
+
+def test_sigterm_saves_exits_zero_and_resumes_exactly(tmp_path, uninterrupted):
+    def step_2_logged():
+        return (tmp_path / "metrics.jsonl").exists() and len(read_metrics(tmp_path)) >= 2
+
+    # save_every=3: the step-2 checkpoint below exists only because of the SIGTERM.
+    stopped = run_and_signal(tmp_path, signal.SIGTERM, "train.save_every=3", when=step_2_logged)
+    assert stopped.returncode == 0, stopped.stdout
+    assert "SIGTERM" in stopped.stdout
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["2"]
+    assert [line["step"] for line in read_metrics(tmp_path)] == [1, 2]
+    resumed = train_module.train(tiny_config(tmp_path, *RESUME, "train.save_every=3"))
+    assert_trees_equal(resumed.state, uninterrupted.state)
+
+
+# --- Rewards, sampling options and errors inside the loop --------------------------------------
+
+
+def test_a_reward_function_that_raises_or_returns_none_does_not_stop_the_run(tmp_path):
+    base = addition_task()
+    calls = []
+
+    def flaky(prompts, completions, answer, **_):
+        calls.append(len(completions))
+        if any(p.startswith("0+") for p in prompts):
+            raise ValueError("cannot parse")  # some rows fail; retried one by one
+        return [None if a == "5" else 1.0 for a in answer]
+
+    task = Task(
+        name="flaky",
+        train=base.train,
+        eval=base.eval,
+        reward_fns={**base.reward_fns, "flaky": flaky},
+        reward_weights=base.reward_weights,
+        correctness="correct",
+        tokenizer=base.tokenizer,
+    )
+    config = tiny_config(
+        tmp_path,
+        "train.steps=3",
+        "train.eval_every=0",
+        "train.export=false",
+        "rollout.prompts_per_step=8",
+        "task.max_reward_failure_share=0.5",
+    )
+    result = train_module.train(config, task=task)
+    assert result.steps_done == 3
+    lines = read_metrics(tmp_path)
+    assert sum(line["reward_failures"] for line in lines) > 0  # some rows started with "0+"
+    assert all(line["reward/flaky"] == 1.0 for line in lines)  # the mean of what scored
+
+    def always_broken(prompts, completions, **_):
+        raise RuntimeError("verifier crashed")
+
+    task.reward_fns = {"correct": base.reward_fns["correct"], "broken": always_broken}
+    with pytest.raises(RewardError, match="more than the allowed share"):
+        train_module.train(tiny_config(tmp_path / "broken", "train.steps=1"), task=task)
+
+
+def test_dynamic_sampling_replaces_groups_without_signal(tmp_path):
+    base = addition_task()
+
+    def half_constant(prompts, completions, **_):
+        # Prompts with an even first operand always score 0: their groups carry no signal.
+        return [
+            0.0 if int(p[0]) % 2 == 0 else float(len(c))
+            for p, c in zip(prompts, completions, strict=True)
+        ]
+
+    task = Task(
+        name="half",
+        train=base.train,
+        eval=base.eval,
+        reward_fns={"half": half_constant},
+        reward_weights={},
+        correctness="half",
+        tokenizer=base.tokenizer,
+    )
+    config = tiny_config(
+        tmp_path,
+        "algorithm.dynamic_sampling=true",
+        "algorithm.max_extra_rollouts=6",
+        "rollout.temperature=2.0",
+    )
+    trainer = train_module.Trainer(config, task)
+    params = trainer.model.params()
+    groups, metrics, position = trainer.collect(params, None, jax.random.key(0), 0)
+    g = config.rollout.num_generations
+    assert len(groups.rewards) == 4 * g
+    assert not train_module.zero_signal(groups.rewards, groups.valid, g).any()
+    assert all(int(p[0]) % 2 == 1 for p in groups.prompts)
+    assert metrics["dynamic/extra_rollouts"] >= 1 and position == 4 * (
+        1 + metrics["dynamic/extra_rollouts"]
+    )
+    assert metrics["frac_zero_std"] > 0
+
+    # Without extra rollouts the step is filled up with zero-signal groups (advantage 0).
+    config = tiny_config(
+        tmp_path, "algorithm.dynamic_sampling=true", "algorithm.max_extra_rollouts=0"
+    )
+    trainer = train_module.Trainer(config, task)
+    groups, metrics, _ = trainer.collect(params, None, jax.random.key(0), 0)
+    flat = train_module.zero_signal(groups.rewards, groups.valid, g)
+    assert metrics["dynamic/zero_signal_kept"] == flat.sum() > 0
+    advantages = trainer.advantages(groups).reshape(-1, g)
+    np.testing.assert_array_equal(advantages[flat], 0.0)
+
+
+def test_overlong_penalty_is_dapos_soft_ramp():
+    lengths = np.array([10, 12, 13, 14, 16])
+    penalty = train_module.overlong_penalty(lengths, limit=16, buffer=4, factor=1.0)
+    np.testing.assert_allclose(penalty, [0.0, 0.0, -0.25, -0.5, -1.0])
+    assert not train_module.overlong_penalty(lengths, 16, 0, 1.0).any()
+
+
+def test_mask_truncated_and_kl_in_reward(tmp_path):
+    config = tiny_config(
+        tmp_path,
+        "algorithm.mask_truncated=true",
+        "algorithm.beta=0.1",
+        "algorithm.kl_in_reward=true",
+        "algorithm.overlong_buffer=2",
+        "train.steps=2",
+        "train.eval_every=0",
+        "train.export=false",
+    )
+    trainer = train_module.Trainer(config)
+    assert trainer.update_config.beta == 0.0  # the KL moved from the loss to the reward
+    params = trainer.model.params()
+    groups, metrics, _ = trainer.collect(params, params, jax.random.key(1), 0)
+    # Policy == reference: the KL term is exactly 0 (k3 of identical log-probs).
+    np.testing.assert_allclose(groups.per_function["kl_penalty"], 0.0, atol=1e-6)
+    assert "reward/overlong" in metrics and metrics["reward/overlong"] <= 0
+    batch = trainer.to_batch(groups, np.zeros(len(groups.rewards), np.float32))
+    mask = np.asarray(batch.completion_mask)
+    assert not mask[groups.truncated].any() and groups.truncated.any()
+    np.testing.assert_array_equal(mask[~groups.truncated], groups.mask[~groups.truncated])
+    result = train_module.train(config)
+    assert "reward/kl_penalty" in read_metrics(tmp_path)[-1] and result.steps_done == 2
+
+
+def test_a_prompt_longer_than_the_limit_is_an_error_not_a_truncation(tmp_path):
+    config = tiny_config(tmp_path, "rollout.max_prompt_length=4")
+    trainer = train_module.Trainer(config)
+    with pytest.raises(ValueError, match=r"is 5 tokens, more than rollout.max_prompt_length=4"):
+        trainer.collect(trainer.model.params(), None, jax.random.key(0), 0)
+
+
+def test_main_help_and_bad_configs(capsys, tmp_path):
+    assert train_module.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "rollout.num_generations" in out and "default 8" in out
+    assert train_module.main(["rollout.num_generation=4"]) == 2
+    assert "Did you mean rollout.num_generations" in capsys.readouterr().err
+    assert train_module.main(["rollout.num_generations=1"]) == 2
+    assert ">= 2" in capsys.readouterr().err
+    assert train_module.main([str(tmp_path / "missing.yaml")]) == 2
+
+
+def test_non_finite_loss_stops_with_the_last_good_checkpoint(tmp_path, monkeypatch):
+    real = train_module._update_metrics
+
+    def poisoned(update):
+        metrics = real(update)
+        metrics["loss"] = float("nan")
+        return metrics
+
+    monkeypatch.setattr(train_module, "_update_metrics", poisoned)
+    config = tiny_config(tmp_path, "train.steps=3", "train.eval_every=0")
+    with pytest.raises(
+        train_module.TrainingDiverged, match="step 1: .*no checkpoint was written yet"
+    ):
+        train_module.train(config)
+    assert not (tmp_path / "checkpoints").exists() or not list((tmp_path / "checkpoints").iterdir())
+
+
+@pytest.mark.slow
+def test_the_demo_learns_addition_from_scratch(tmp_path):
+    """`python -m jgrpo.train` with no config (one CPU device, as users run it): the mean
+    reward goes from near its random level to >= 0.9 of its maximum."""
+    from jgrpo.config import DEMO_OVERRIDES
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # not the tests' 8 devices
+    subprocess.run(
+        [sys.executable, "-m", "jgrpo.train", f"train.run_dir={tmp_path}", "train.progress=false"],
+        check=True,
+        env=env,
+        capture_output=True,
+    )
+    lines = read_metrics(tmp_path)
+    config = load_config(None, DEMO_OVERRIDES)
+    assert len(lines) == config.train.steps
+    max_reward = addition_task(max_operand=config.task.max_operand).max_reward
+    first = np.mean([line["reward/mean"] for line in lines[:20]])
+    last = np.mean([line["reward/mean"] for line in lines[-20:]])
+    assert first < 0.2 * max_reward  # near the random level at the start
+    assert last >= 0.9 * max_reward, (first, last)
+    assert lines[-1]["eval/accuracy"] >= 0.8  # greedy, over all 25 problems
+    assert (tmp_path / "hf" / "config.json").exists()
+
+
+def test_the_qwen_recipe_runs_on_a_local_hf_checkpoint(tmp_path, hf_checkpoint):
+    """The real-model recipe, smoke-sized, on a tiny local checkpoint with a chat template."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    import models
+
+    source, _ = hf_checkpoint("llama3")
+    checkpoint = tmp_path / "checkpoint"
+    shutil.copytree(source, checkpoint)
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    )
+    tokenizer.save_pretrained(checkpoint)
+    recipe = pathlib.Path(__file__).parent.parent / "configs" / "qwen2.5-0.5b-addition.yaml"
+    config = load_config(
+        recipe,
+        [
+            f"model.path={checkpoint}",
+            f"train.run_dir={tmp_path / 'run'}",
+            "train.steps=1",
+            "train.progress=false",
+            "task.eval_size=2",
+            "rollout.prompts_per_step=2",
+            "rollout.num_generations=4",
+            "rollout.max_new_tokens=4",
+            "algorithm.num_minibatches=2",
+            "algorithm.grad_accumulation=2",
+        ],
+    )
+    result = train_module.train(config)
+    assert result.steps_done == 1
+    (line,) = read_metrics(tmp_path / "run")
+    assert {"reward/correct", "reward/format", "eval/accuracy", "loss"} <= line.keys()
+    # The export keeps the checkpoint's tokenizer (with its chat template) and new weights.
+    exported = models.from_pretrained(tmp_path / "run" / "hf")
+    assert_trees_equal(exported.params(), result.state.params)
+    assert AutoTokenizer.from_pretrained(tmp_path / "run" / "hf").chat_template
