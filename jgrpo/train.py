@@ -43,7 +43,7 @@ from jgrpo.config import (
 from jgrpo.generation import encode_prompts, stop_token_ids
 from jgrpo.losses import sequence_kl
 from jgrpo.metrics import MetricsWriter, ProgressBar
-from jgrpo.rewards import score_completions
+from jgrpo.rewards import Scores, score_completions
 from jgrpo.sampling import SamplingConfig, rollout
 from jgrpo.update import (
     Batch,
@@ -317,25 +317,8 @@ class Trainer:
 
         start = time.perf_counter()
         tokens, lengths = np.asarray(host.tokens), np.asarray(host.lengths)
-        texts = decode_completions(self.tokenizer, tokens, lengths, np.asarray(host.truncated))
         rows_examples = [example for example in examples for _ in range(g)]
-        prompts = [example["prompt"] for example in rows_examples]
-        fields = {
-            key: [example.get(key) for example in rows_examples]
-            for key in examples[0]
-            if key != "prompt"
-        }
-        fields["completion_ids"] = [
-            tokens[row, : lengths[row]].tolist() for row in range(len(texts))
-        ]
-        scores = score_completions(
-            self.task.reward_fns,
-            self.task.reward_weights,
-            prompts,
-            [as_completion(p, t) for p, t in zip(prompts, texts, strict=True)],
-            fields,
-            max_failure_share=c.task.max_reward_failure_share,
-        )
+        prompts, texts, scores = self.score(rows_examples, tokens, lengths, host.truncated)
         rewards = scores.total.copy()
         per_function = dict(scores.per_function)
         if c.algorithm.overlong_buffer:
@@ -380,6 +363,31 @@ class Trainer:
             timings["time/reward"] += time.perf_counter() - start
         timings["reward_failures"] = sum(scores.failures.values())
         return groups, timings
+
+    def score(
+        self, row_examples: Sequence[Mapping[str, Any]], tokens, lengths, truncated
+    ) -> tuple[list[Any], list[str], Scores]:
+        """Decodes each row's completion and scores it against the example it answers."""
+        tokens, lengths = np.asarray(tokens), np.asarray(lengths)
+        texts = decode_completions(self.tokenizer, tokens, lengths, np.asarray(truncated))
+        prompts = [example["prompt"] for example in row_examples]
+        fields = {
+            key: [example.get(key) for example in row_examples]
+            for key in row_examples[0]
+            if key != "prompt"
+        }
+        fields["completion_ids"] = [
+            tokens[row, : lengths[row]].tolist() for row in range(len(texts))
+        ]
+        scores = score_completions(
+            self.task.reward_fns,
+            self.task.reward_weights,
+            prompts,
+            [as_completion(p, t) for p, t in zip(prompts, texts, strict=True)],
+            fields,
+            max_failure_share=self.config.task.max_reward_failure_share,
+        )
+        return prompts, texts, scores
 
     def frozen_logprobs(self, params, batch: Batch) -> jax.Array:
         return _frozen_logprobs(
@@ -521,20 +529,9 @@ class Trainer:
                     sampling=self.greedy,
                 )
             )
-            tokens, lengths = np.asarray(result.tokens), np.asarray(result.lengths)
-            texts = decode_completions(
-                self.tokenizer, tokens, lengths, np.asarray(result.truncated)
-            )[: len(part)]
-            prompts = [e["prompt"] for e in part]
-            fields = {k: [e.get(k) for e in part] for k in part[0] if k != "prompt"}
-            fields["completion_ids"] = [tokens[r, : lengths[r]].tolist() for r in range(len(part))]
-            scores = score_completions(
-                task.reward_fns,
-                task.reward_weights,
-                prompts,
-                [as_completion(p, t) for p, t in zip(prompts, texts, strict=True)],
-                fields,
-                max_failure_share=c.task.max_reward_failure_share,
+            rows = len(part)
+            prompts, texts, scores = self.score(
+                part, result.tokens[:rows], result.lengths[:rows], result.truncated[:rows]
             )
             totals.extend(scores.total.tolist())
             correct.extend((scores.per_function[task.correctness] >= 1.0).tolist())
