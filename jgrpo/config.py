@@ -123,22 +123,46 @@ class AlgorithmSection:
             raise ConfigError("algorithm.kl_in_reward needs algorithm.beta > 0 (its weight).")
 
 
+TASKS = ("addition", "json_extraction", "gsm8k", "jsonl")
+
+
 @dataclasses.dataclass(frozen=True)
 class TaskSection:
-    name: str = option("addition", "built-in task (the demo: addition written as text)")
+    name: str = option("addition", "addition (the demo), json_extraction, gsm8k or jsonl")
+    path: str | None = option(None, "jsonl: the data file; gsm8k: a folder of <split>.jsonl")
+    eval_path: str | None = option(None, "jsonl: a separate eval file")
+    data_dir: str | None = option(None, "gsm8k from TFDS: its data_dir")
+    split: str = option("train", "gsm8k: the training split")
+    eval_split: str = option("test", "gsm8k: the eval split")
+    prompt_field: str = option("prompt", "jsonl: the field that holds the prompt")
+    rewards: str | None = option(
+        None, "'name:weight,...' of built-in rewards; None: the task's own (jsonl: required)"
+    )
+    on_error: str = option("reject", "malformed rows or too-long prompts: reject or skip")
+    chat: bool = option(False, "addition/json_extraction: ask as chat messages")
     max_operand: int = option(9, "addition: operands go from 0 to this")
-    held_out: int = option(0, "addition: problems kept out of training for eval (0 = eval all)")
-    chat: bool = option(False, "addition: ask as a chat message (instruct models)")
+    num_examples: int = option(2000, "json_extraction: examples generated")
+    held_out: int = option(0, "examples kept out of training for eval (0: the task's eval split)")
     eval_size: int = option(0, "evaluate on the first N eval examples (0 = all)")
     max_reward_failure_share: float = option(
         0.1, "stop if more than this share of a step's reward scores fail"
     )
 
     def check(self):
-        if self.max_operand < 1 or self.held_out < 0 or self.eval_size < 0:
+        check_choice("task.name", self.name, TASKS, ConfigError)
+        check_choice("task.on_error", self.on_error, ("reject", "skip"), ConfigError)
+        if self.name == "jsonl" and (self.path is None or self.rewards is None):
             raise ConfigError(
-                "task.max_operand must be >= 1, task.held_out and task.eval_size >= 0; got "
-                f"{self.max_operand}, {self.held_out}, {self.eval_size}."
+                "task.name=jsonl needs task.path (the data file) and task.rewards (e.g. "
+                "'math:1.0,think_answer_format:0.2'); see docs/training.md."
+            )
+        for name in ("max_operand", "num_examples"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"task.{name} must be >= 1, got {getattr(self, name)}.")
+        if self.held_out < 0 or self.eval_size < 0:
+            raise ConfigError(
+                "task.held_out and task.eval_size must be >= 0; got "
+                f"{self.held_out}, {self.eval_size}."
             )
         if not 0 <= self.max_reward_failure_share <= 1:
             raise ConfigError(
@@ -298,6 +322,29 @@ DEMO_OVERRIDES = (
     "train.eval_every=50",
     "train.save_every=100",
     "train.run_dir=runs/demo",
+)
+
+
+# `smoke` on the command line: a quick CPU check of any recipe with the tiny model initialised
+# from scratch (and a character tokenizer), a few rows and two steps.
+SMOKE_OVERRIDES = (
+    "model.path=null",
+    "model.preset=tiny",
+    "model.dtype=float32",
+    "rollout.prompts_per_step=2",
+    "rollout.num_generations=2",
+    "rollout.max_new_tokens=8",
+    "rollout.max_prompt_length=2048",  # one token per character
+    "algorithm.num_minibatches=1",
+    "algorithm.grad_accumulation=1",
+    "algorithm.max_extra_rollouts=1",
+    "task.eval_size=2",
+    "task.num_examples=64",
+    "task.held_out=0",
+    "train.steps=2",
+    "train.eval_every=2",
+    "train.save_every=2",
+    "train.run_dir=runs/smoke",
 )
 
 

@@ -34,6 +34,7 @@ from jgrpo.advantages import group_advantages
 from jgrpo.checkpoint import Checkpointer
 from jgrpo.config import (
     DEMO_OVERRIDES,
+    SMOKE_OVERRIDES,
     Config,
     ConfigError,
     format_help,
@@ -84,14 +85,12 @@ def load_policy(config: Config, task: tasks.Task):
         model = models.from_pretrained(config.model.path, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(models.hf.resolve(config.model.path))
     else:
-        if task.tokenizer is None:
-            raise ConfigError(
-                f"model.path is None (random init of preset {config.model.preset!r}) but task "
-                f"{task.name!r} brings no tokenizer; set model.path to an HF checkpoint."
-            )
         from flax import nnx
 
-        tokenizer = task.tokenizer
+        from jgrpo.tasks.arithmetic import text_tokenizer
+
+        # A model from scratch uses the task's tokenizer, else one token per character.
+        tokenizer = task.tokenizer if task.tokenizer is not None else text_tokenizer()
         model_config = models.preset(config.model.preset).replace(
             vocab_size=len(tokenizer),
             bos_token_id=tokenizer.bos_token_id,
@@ -107,14 +106,46 @@ def load_policy(config: Config, task: tasks.Task):
 
 
 def build_task(config: Config) -> tasks.Task:
-    section = config.task
-    return tasks.get_task(
-        section.name,
-        max_operand=section.max_operand,
-        held_out=section.held_out,
-        chat=section.chat,
-        seed=config.train.seed,
-    )
+    """The task the config names, with `task.rewards` replacing its rewards when set."""
+    t, seed = config.task, config.train.seed
+    if t.name == "addition":
+        from jgrpo.tasks.arithmetic import addition_task
+
+        task = addition_task(t.max_operand, held_out=t.held_out, seed=seed, chat=t.chat)
+    elif t.name == "json_extraction":
+        from jgrpo.tasks.json_extraction import json_extraction_task
+
+        task = json_extraction_task(t.num_examples, held_out=t.held_out, seed=seed, chat=t.chat)
+    elif t.name == "gsm8k":
+        from jgrpo.tasks.gsm8k import gsm8k_task
+
+        task = gsm8k_task(
+            data_dir=t.data_dir,
+            split=t.split,
+            eval_split=t.eval_split,
+            source="tfds" if t.path is None else "jsonl",
+            path=t.path,
+            on_error=t.on_error,
+        )
+    else:  # jsonl
+        from jgrpo.tasks.datasets import jsonl_task
+
+        task = jsonl_task(
+            t.path,
+            rewards=t.rewards,
+            eval_path=t.eval_path,
+            prompt_field=t.prompt_field,
+            held_out=t.held_out,
+            seed=seed,
+            on_error=t.on_error,
+        )
+    if t.rewards is not None and t.name != "jsonl":
+        from jgrpo.rewards.registry import parse_reward_spec
+
+        task.reward_fns, task.reward_weights = parse_reward_spec(t.rewards)
+        if task.correctness not in task.reward_fns:
+            task.correctness = next(iter(task.reward_fns))
+    return task
 
 
 def update_config_of(config: Config, *, beta_in_loss: float) -> UpdateConfig:
@@ -271,6 +302,7 @@ class Trainer:
         self.task = task if task is not None else build_task(config)
         self.model, self.tokenizer = load_policy(config, self.task)
         self.model_config = self.model.config
+        self.check_prompts()
         self.group_size = config.rollout.num_generations
         r = config.rollout
         self.sampling = SamplingConfig(
@@ -294,6 +326,23 @@ class Trainer:
             config, beta_in_loss=0.0 if algo.kl_in_reward else algo.beta
         )
         self.optimizer = optimizer_of(config)
+
+    def check_prompts(self) -> None:
+        """Prompts longer than rollout.max_prompt_length: an error, or dropped (task.on_error)."""
+        from jgrpo.tasks.datasets import check_prompt_lengths
+
+        limit, on_error = self.config.rollout.max_prompt_length, self.config.task.on_error
+        for split in ("train", "eval"):
+            examples = getattr(self.task, split)
+            kept = check_prompt_lengths(
+                examples,
+                self.tokenizer,
+                limit,
+                on_error=on_error,
+                source=f"{self.task.name} {split}",
+            )
+            if len(kept) != len(examples):
+                setattr(self.task, split, kept)
 
     # Stage 2 and 3 for one batch of prompts.
     def sample_and_score(self, params, ref_params, examples, key) -> tuple[Groups, dict]:
@@ -712,7 +761,7 @@ def export_checkpoint(
 
 def parse_args(argv: Sequence[str]) -> tuple[str | None, list[str]]:
     """[CONFIG.yaml] [key=value ...] -> (config path or None, overrides)."""
-    if argv and "=" not in argv[0]:
+    if argv and "=" not in argv[0] and argv[0] != "smoke":
         return argv[0], list(argv[1:])
     return None, list(argv)
 
@@ -735,11 +784,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             "usage: python -m jgrpo.train [CONFIG.yaml] [section.key=value ...]\n\n"
             "Without CONFIG.yaml the CPU demo runs (a small model learns addition from scratch),\n"
             f"with any overrides on top; the demo sets: {' '.join(DEMO_OVERRIDES)}\n"
+            "The word `smoke` among the overrides runs a recipe as a quick CPU check: "
+            f"{' '.join(SMOKE_OVERRIDES)}\n"
             "Rerun with the same train.run_dir to resume.\n\nConfig keys:\n" + format_help()
         )
         return 0
     _log_to_stderr()
     path, overrides = parse_args(argv)
+    if "smoke" in overrides:  # a quick CPU check of a recipe
+        overrides = [*SMOKE_OVERRIDES, *(o for o in overrides if o != "smoke")]
     if path is None:  # the built-in demo, with any overrides on top
         overrides = [*DEMO_OVERRIDES, *overrides]
     try:

@@ -312,10 +312,22 @@ def test_mask_truncated_and_kl_in_reward(tmp_path):
 
 
 def test_a_prompt_longer_than_the_limit_is_an_error_not_a_truncation(tmp_path):
-    config = tiny_config(tmp_path, "rollout.max_prompt_length=4")
-    trainer = train_module.Trainer(config)
-    with pytest.raises(ValueError, match=r"is 5 tokens, more than rollout.max_prompt_length=4"):
-        trainer.collect(trainer.model.params(), None, jax.random.key(0), 0)
+    from jgrpo.tasks.datasets import DatasetError
+
+    # "<s>" + "4+4=" is 5 tokens; with operands up to 10, "10+10=" makes 7.
+    config = tiny_config(tmp_path, "task.max_operand=10", "rollout.max_prompt_length=6")
+    with pytest.raises(
+        DatasetError, match=r"addition train row \d+: prompt is 7 tokens, more than 6"
+    ):
+        train_module.Trainer(config)
+    # on_error=skip leaves those prompts out (logged), and keeps every other one.
+    trainer = train_module.Trainer(
+        tiny_config(
+            tmp_path, "task.max_operand=10", "rollout.max_prompt_length=6", "task.on_error=skip"
+        )
+    )
+    assert len(trainer.task.train) == 121 - 1  # only "10+10=" is too long
+    assert all(e["prompt"] != "10+10=" for e in trainer.task.train)
 
 
 def test_main_help_and_bad_configs(capsys, tmp_path):

@@ -43,8 +43,9 @@ class Task:
 
     @property
     def max_reward(self) -> float:
-        """The weighted reward of a completion every function scores 1.0."""
-        return float(sum(self.reward_weights.get(name, 1.0) for name in self.reward_fns))
+        """The best weighted reward: every positive-weight function at 1.0, penalties at 0."""
+        weights = (self.reward_weights.get(name, 1.0) for name in self.reward_fns)
+        return float(sum(max(weight, 0.0) for weight in weights))
 
 
 def take(
@@ -61,10 +62,15 @@ def take(
 
 
 def get_task(name: str, **options: Any) -> Task:
-    """A built-in task by name."""
-    from jgrpo.tasks import arithmetic
+    """A built-in task by name, built with `options` (the builder's keyword arguments)."""
+    from jgrpo.tasks import arithmetic, datasets, gsm8k, json_extraction
 
-    builders = {"addition": arithmetic.addition_task}
+    builders = {
+        "addition": arithmetic.addition_task,
+        "json_extraction": json_extraction.json_extraction_task,
+        "gsm8k": gsm8k.gsm8k_task,
+        "jsonl": datasets.jsonl_task,
+    }
     if name not in builders:
         raise ValueError(f"unknown task {name!r}; built-in tasks: {', '.join(builders)}.")
     return builders[name](**options)

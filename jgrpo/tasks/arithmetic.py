@@ -38,6 +38,24 @@ def char_tokenizer(alphabet: str = "0123456789+=") -> PreTrainedTokenizerFast:
     )
 
 
+_PRINTABLE = "".join(chr(c) for c in range(32, 127)) + "\n"
+_SIMPLE_CHAT = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+def text_tokenizer() -> PreTrainedTokenizerFast:
+    """One token per printable ASCII character and newline, with a plain chat template.
+
+    For models initialised from scratch on tasks without their own tokenizer (smoke runs of
+    the GSM8K and JSON recipes): characters outside the alphabet become <pad>.
+    """
+    tokenizer = char_tokenizer(_PRINTABLE)
+    tokenizer.chat_template = _SIMPLE_CHAT
+    return tokenizer
+
+
 def _text(completion) -> str:
     """A completion as text (chat completions are [{"role": "assistant", "content": ...}])."""
     return completion if isinstance(completion, str) else completion[-1]["content"]
