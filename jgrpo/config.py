@@ -147,8 +147,15 @@ class TaskSection:
     max_reward_failure_share: float = option(
         0.1, "stop if more than this share of a step's reward scores fail"
     )
+    reward_workers: int = option(2, "processes that run reward functions (0: in-process)")
+    reward_timeout_s: float = option(60.0, "a reward call slower than this scores None")
 
     def check(self):
+        if self.reward_workers < 0 or self.reward_timeout_s <= 0:
+            raise ConfigError(
+                "task.reward_workers must be >= 0 and task.reward_timeout_s > 0; got "
+                f"{self.reward_workers}, {self.reward_timeout_s}."
+            )
         check_choice("task.name", self.name, TASKS, ConfigError)
         check_choice("task.on_error", self.on_error, ("reject", "skip"), ConfigError)
         if self.name == "jsonl" and (self.path is None or self.rewards is None):

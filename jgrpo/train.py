@@ -45,6 +45,7 @@ from jgrpo.generation import encode_prompts, stop_token_ids
 from jgrpo.losses import sequence_kl
 from jgrpo.metrics import MetricsWriter, ProgressBar
 from jgrpo.rewards import Scores, score_completions
+from jgrpo.rewards.pool import VerifierPool
 from jgrpo.sampling import SamplingConfig, rollout
 from jgrpo.update import (
     Batch,
@@ -326,6 +327,8 @@ class Trainer:
             config, beta_in_loss=0.0 if algo.kl_in_reward else algo.beta
         )
         self.optimizer = optimizer_of(config)
+        workers, timeout = config.task.reward_workers, config.task.reward_timeout_s
+        self.reward_pool = VerifierPool(workers, timeout) if workers else None
 
     def check_prompts(self) -> None:
         """Prompts longer than rollout.max_prompt_length: an error, or dropped (task.on_error)."""
@@ -435,6 +438,7 @@ class Trainer:
             [as_completion(p, t) for p, t in zip(prompts, texts, strict=True)],
             fields,
             max_failure_share=self.config.task.max_reward_failure_share,
+            pool=self.reward_pool,
         )
         return prompts, texts, scores
 
@@ -724,6 +728,8 @@ def train(
         progress.close()
         writer.close()
         checkpointer.close()
+        if trainer.reward_pool is not None:
+            trainer.reward_pool.close()
     if step >= c.train.steps and c.train.export and not stopped:
         export(trainer, state.params, run_dir / "hf")
     return TrainResult(state=state, steps_done=step, run_dir=run_dir, stopped_by_signal=stopped)

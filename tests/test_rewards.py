@@ -109,3 +109,42 @@ def test_a_malformed_return_is_an_error_naming_the_function(returned, message):
 
     with pytest.raises(RewardError, match=f"'bad'.*{message}|{message}"):
         score_completions({"bad": bad}, {}, ["p"] * 2, ["a", "b"], {})
+
+
+def slow_on_seven(prompts, completions, **_):
+    """A verifier that hangs on one completion (module-level: it can go to a worker)."""
+    import time
+
+    if "7" in completions:
+        time.sleep(60)
+    return [float(len(c)) for c in completions]
+
+
+def test_a_hanging_verifier_costs_its_timeout_not_the_step():
+    import time
+
+    from jgrpo.rewards.pool import VerifierPool
+
+    with VerifierPool(workers=2, timeout_s=2.0) as pool:
+        start = time.monotonic()
+        scores = score_completions(
+            {
+                "slow": slow_on_seven,
+                "len": length_reward,
+                "local": lambda completions, **_: [1.0] * len(completions),
+            },
+            {},
+            ["p"] * 4,
+            ["ab", "7", "abc", "d"],
+            {},
+            max_failure_share=0.5,
+            pool=pool,
+        )
+        elapsed = time.monotonic() - start
+    # The batch call timed out, then each row ran alone: only the hanging row is lost.
+    np.testing.assert_array_equal(scores.per_function["slow"][[0, 2, 3]], [2.0, 3.0, 1.0])
+    assert np.isnan(scores.per_function["slow"][1])
+    assert scores.failures == {"slow": 1, "len": 0, "local": 0}
+    np.testing.assert_array_equal(scores.per_function["len"], [2.0, 1.0, 3.0, 1.0])
+    np.testing.assert_array_equal(scores.per_function["local"], [1.0] * 4)  # ran in-process
+    assert elapsed < 30, elapsed  # two timeouts and worker restarts, never the 60 s sleep

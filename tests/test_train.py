@@ -28,6 +28,7 @@ TINY = [
     "optim.lr=1e-3",
     "train.progress=false",
     "train.tensorboard=false",
+    "task.reward_workers=0",  # rewards in-process: no worker start-up per run (one test uses them)
 ]
 
 REQUIRED_METRICS = {
@@ -72,6 +73,7 @@ def test_end_to_end_metrics_checkpoints_eval_and_export(tmp_path, count_compiles
         "train.eval_every=1",
         "train.keep_checkpoints=1",
         "train.tensorboard=true",
+        "task.reward_workers=2",  # the default: rewards in worker processes
     )
     compiles_after = {}
     result = train_module.train(

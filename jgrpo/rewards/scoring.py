@@ -9,6 +9,8 @@ Rules (those of TRL's GRPOTrainer, plus failure handling):
   advantage 0);
 - an exception is caught: the function is called again row by row to find the offending
   examples, which are logged and scored None; NaN is treated the same way;
+- with a `VerifierPool`, each call runs in a worker process and a call that outlasts its
+  timeout counts as an exception (see jgrpo/rewards/pool.py);
 - a step stops with `RewardError` only if more than `max_failure_share` of its
   (function, completion) scores failed, or a function returns the wrong number of values.
 """
@@ -23,6 +25,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+
+from jgrpo.rewards.pool import VerifierPool
 
 RewardFn = Callable[..., Sequence[float | None]]
 
@@ -56,8 +60,9 @@ def _as_score(value: Any, name: str, row: int) -> float | None:
     )
 
 
-def _call(fn: RewardFn, name: str, prompts, completions, fields) -> list[float | None]:
-    values = fn(prompts=list(prompts), completions=list(completions), **fields)
+def _call(fn: RewardFn, name: str, prompts, completions, fields, pool) -> list[float | None]:
+    kwargs = dict(prompts=list(prompts), completions=list(completions), **fields)
+    values = fn(**kwargs) if pool is None else pool.run(fn, kwargs, name=name)
     if values is None or len(values) != len(completions):
         got = "None" if values is None else f"{len(values)} values"
         raise RewardError(
@@ -67,7 +72,7 @@ def _call(fn: RewardFn, name: str, prompts, completions, fields) -> list[float |
     return [_as_score(v, name, row) for row, v in enumerate(values)]
 
 
-def _call_row_by_row(fn, name, prompts, completions, fields, error) -> list[float | None]:
+def _call_row_by_row(fn, name, prompts, completions, fields, error, pool) -> list[float | None]:
     """After a batch call raised: score each row alone, logging the rows that fail."""
     logger.warning("reward function %r raised %r; retrying row by row", name, error)
     scores: list[float | None] = []
@@ -75,7 +80,7 @@ def _call_row_by_row(fn, name, prompts, completions, fields, error) -> list[floa
         row_fields = {key: values[row : row + 1] for key, values in fields.items()}
         try:
             (value,) = _call(
-                fn, name, prompts[row : row + 1], completions[row : row + 1], row_fields
+                fn, name, prompts[row : row + 1], completions[row : row + 1], row_fields, pool
             )
         except RewardError:
             raise
@@ -102,10 +107,12 @@ def score_completions(
     fields: Mapping[str, Sequence[Any]],
     *,
     max_failure_share: float = 0.1,
+    pool: VerifierPool | None = None,
 ) -> Scores:
     """Scores B completions with every function; see the module docstring for the rules.
 
-    `prompts`, `completions` and each entry of `fields` hold one value per completion.
+    `prompts`, `completions` and each entry of `fields` hold one value per completion. With
+    a `pool`, each call runs in a worker process with its timeout (a timeout is a failure).
     """
     rows = len(completions)
     fields = {key: list(values) for key, values in fields.items()}
@@ -113,12 +120,12 @@ def score_completions(
     failures: dict[str, int] = {}
     for name, fn in reward_fns.items():
         try:
-            scores = _call(fn, name, prompts, completions, fields)
+            scores = _call(fn, name, prompts, completions, fields, pool)
             failed = 0
         except RewardError:
             raise
         except Exception as error:  # noqa: BLE001 (isolated per row below)
-            scores = _call_row_by_row(fn, name, prompts, completions, fields, error)
+            scores = _call_row_by_row(fn, name, prompts, completions, fields, error, pool)
             failed = sum(score is None for score in scores)
         nan_rows = [row for row, s in enumerate(scores) if s is not None and math.isnan(s)]
         for row in nan_rows:
