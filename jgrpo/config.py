@@ -123,23 +123,27 @@ class AlgorithmSection:
             raise ConfigError("algorithm.kl_in_reward needs algorithm.beta > 0 (its weight).")
 
 
-TASKS = ("addition", "json_extraction", "gsm8k", "jsonl")
+TASKS = ("addition", "json_extraction", "gsm8k", "jsonl", "tfds")
 
 
 @dataclasses.dataclass(frozen=True)
 class TaskSection:
-    name: str = option("addition", "addition (the demo), json_extraction, gsm8k or jsonl")
+    name: str = option("addition", "addition (the demo), json_extraction, gsm8k, jsonl or tfds")
+    dataset: str | None = option(None, "tfds: the TFDS dataset name")
     path: str | None = option(None, "jsonl: the data file; gsm8k: a folder of <split>.jsonl")
     eval_path: str | None = option(None, "jsonl: a separate eval file")
-    data_dir: str | None = option(None, "gsm8k from TFDS: its data_dir")
-    split: str = option("train", "gsm8k: the training split")
-    eval_split: str = option("test", "gsm8k: the eval split")
-    prompt_field: str = option("prompt", "jsonl: the field that holds the prompt")
+    data_dir: str | None = option(None, "gsm8k / tfds: the TFDS data_dir")
+    split: str = option("train", "gsm8k / tfds: the training split")
+    eval_split: str = option("test", "gsm8k / tfds: the eval split")
+    prompt_field: str = option("prompt", "jsonl / tfds: the field that holds the prompt")
+    system_prompt: str | None = option(
+        None, "chat prompts start with this system message (gsm8k: None keeps its own)"
+    )
     rewards: str | None = option(
-        None, "'name:weight,...' of built-in rewards; None: the task's own (jsonl: required)"
+        None, "'name:weight,...' of built-in rewards; None: the task's own (jsonl, tfds: required)"
     )
     on_error: str = option("reject", "malformed rows or too-long prompts: reject or skip")
-    chat: bool = option(False, "addition/json_extraction: ask as chat messages")
+    chat: bool = option(False, "addition / json_extraction / jsonl / tfds: as chat messages")
     max_operand: int = option(9, "addition: operands go from 0 to this")
     num_examples: int = option(2000, "json_extraction: examples generated")
     held_out: int = option(0, "examples kept out of training for eval (0: the task's eval split)")
@@ -162,6 +166,11 @@ class TaskSection:
             raise ConfigError(
                 "task.name=jsonl needs task.path (the data file) and task.rewards (e.g. "
                 "'math:1.0,think_answer_format:0.2'); see docs/training.md."
+            )
+        if self.name == "tfds" and (self.dataset is None or self.rewards is None):
+            raise ConfigError(
+                "task.name=tfds needs task.dataset (a TFDS name) and task.rewards (e.g. "
+                "'math:1.0'); see docs/training.md."
             )
         for name in ("max_operand", "num_examples"):
             if getattr(self, name) < 1:

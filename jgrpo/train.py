@@ -118,29 +118,40 @@ def build_task(config: Config) -> tasks.Task:
 
         task = json_extraction_task(t.num_examples, held_out=t.held_out, seed=seed, chat=t.chat)
     elif t.name == "gsm8k":
-        from jgrpo.tasks.gsm8k import gsm8k_task
+        from jgrpo.tasks.gsm8k import DEFAULT_SYSTEM, gsm8k_task
 
         task = gsm8k_task(
             data_dir=t.data_dir,
             split=t.split,
             eval_split=t.eval_split,
+            system_prompt=DEFAULT_SYSTEM if t.system_prompt is None else t.system_prompt,
             source="tfds" if t.path is None else "jsonl",
             path=t.path,
             on_error=t.on_error,
         )
-    else:  # jsonl
-        from jgrpo.tasks.datasets import jsonl_task
+    else:  # your own data: a JSONL file or a TFDS dataset, scored by built-in rewards
+        from jgrpo.tasks.datasets import jsonl_task, tfds_task
 
-        task = jsonl_task(
-            t.path,
+        options = dict(
             rewards=t.rewards,
-            eval_path=t.eval_path,
             prompt_field=t.prompt_field,
             held_out=t.held_out,
             seed=seed,
             on_error=t.on_error,
+            chat=t.chat,
+            system_prompt=t.system_prompt,
         )
-    if t.rewards is not None and t.name != "jsonl":
+        if t.name == "jsonl":
+            task = jsonl_task(t.path, eval_path=t.eval_path, **options)
+        else:
+            task = tfds_task(
+                t.dataset,
+                split=t.split,
+                eval_split=t.eval_split,
+                data_dir=t.data_dir,
+                **options,
+            )
+    if t.rewards is not None and t.name not in ("jsonl", "tfds"):
         from jgrpo.rewards.registry import parse_reward_spec
 
         task.reward_fns, task.reward_weights = parse_reward_spec(t.rewards)

@@ -198,7 +198,7 @@ def test_chat_prompt_lengths_count_the_chat_template():
 @pytest.fixture(scope="module")
 def tfds_dir(tmp_path_factory):
     """A data_dir with `jgrpo_toy_prompts` 1.0.0 prepared as ArrayRecord (no TensorFlow)."""
-    pytest.importorskip("array_record", reason="TFDS data sources read ArrayRecord files")
+    import array_record  # noqa: F401  (TFDS data sources read ArrayRecord files)
     import tensorflow_datasets as tfds
 
     # skip_registration: the loader must find it by name from the files alone, as it would
@@ -264,3 +264,29 @@ def test_tfds_unknown_dataset_is_an_error_without_network(tmp_path):
 
     with pytest.raises(tfds.core.registered.DatasetNotFoundError):
         load_tfds("jgrpo_no_such_dataset", "train", data_dir=tmp_path, download=False)
+
+
+def test_a_tfds_task_from_the_config_with_chat_prompts(tfds_dir):
+    from jgrpo.config import load_config
+    from jgrpo.train import build_task
+
+    config = load_config(
+        None,
+        [
+            "task.name=tfds",
+            "task.dataset=jgrpo_toy_prompts",
+            f"task.data_dir={tfds_dir}",
+            "task.prompt_field=text",
+            "task.rewards=math",
+            "task.on_error=skip",  # the blank prompt (row 3)
+            "task.chat=true",
+            "task.system_prompt=Answer briefly.",
+        ],
+    )
+    task = build_task(config)
+    assert [e["target"] for e in task.train] == ["Paris", "4", "4"]
+    assert task.eval[0]["prompt"] == [
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": "1 + 1 = ?"},
+    ]
+    assert task.reward_weights == {"math": 1.0} and task.correctness == "math"

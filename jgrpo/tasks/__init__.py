@@ -70,6 +70,7 @@ def get_task(name: str, **options: Any) -> Task:
         "json_extraction": json_extraction.json_extraction_task,
         "gsm8k": gsm8k.gsm8k_task,
         "jsonl": datasets.jsonl_task,
+        "tfds": datasets.tfds_task,
     }
     if name not in builders:
         raise ValueError(f"unknown task {name!r}; built-in tasks: {', '.join(builders)}.")

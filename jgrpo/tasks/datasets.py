@@ -21,6 +21,7 @@ needs neither TensorFlow nor a network once the dataset is prepared in `data_dir
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import json
 import logging
@@ -348,33 +349,42 @@ def _report(problems: list[str], source: str, total: int, on_error: str, kept: l
 __all__ = ["DatasetError", "check_prompt_lengths", "load_jsonl", "load_tfds"]
 
 
-def jsonl_task(
-    path: str | os.PathLike,
+def as_chat(examples: list[dict], system_prompt: str | None) -> list[dict]:
+    """Text prompts as chat messages: the system prompt (if any), then the text as the user's."""
+    system = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    return [
+        {**e, "prompt": [*system, {"role": "user", "content": e["prompt"]}]}
+        if isinstance(e["prompt"], str)
+        else e
+        for e in examples
+    ]
+
+
+def task_from_examples(
+    name: str,
+    examples: list[dict],
+    eval_examples: list[dict] | None,
     *,
     rewards: str,
     correctness: str | None = None,
-    eval_path: str | os.PathLike | None = None,
-    prompt_field: str = "prompt",
     held_out: int = 0,
     seed: int = 0,
-    on_error: str = "reject",
+    chat: bool = False,
+    system_prompt: str | None = None,
 ) -> Task:
-    """Your own data: examples from a JSONL/JSON file, scored by built-in rewards.
+    """A Task from loaded examples, scored by built-in rewards.
 
     `rewards` is a spec like "math:1.0,think_answer_format:0.2" (see
     `jgrpo.rewards.registry`); `correctness` names the one whose 1.0 means right (default:
-    the first). The eval split is `eval_path`, else `held_out` examples drawn by the seed
-    (kept out of training), else the training examples.
+    the first). The eval split is `eval_examples`, else `held_out` examples drawn by the seed
+    (kept out of training), else the training examples. With `chat`, text prompts become chat
+    messages (after `system_prompt`, when given).
     """
     from jgrpo.rewards.registry import parse_reward_spec
 
     functions, weights = parse_reward_spec(rewards)
-    examples = load_jsonl(path, prompt_field=prompt_field, on_error=on_error)
-    if eval_path is not None:
-        train, evaluation = (
-            examples,
-            load_jsonl(eval_path, prompt_field=prompt_field, on_error=on_error),
-        )
+    if eval_examples is not None:
+        train, evaluation = examples, eval_examples
     elif held_out:
         if not 0 < held_out < len(examples):
             raise ValueError(f"held_out must be in [0, {len(examples)}), got {held_out}.")
@@ -384,11 +394,51 @@ def jsonl_task(
         evaluation = [examples[i] for i in sorted(held)]
     else:
         train = evaluation = examples
+    if chat:
+        train, evaluation = as_chat(train, system_prompt), as_chat(evaluation, system_prompt)
     return Task(
-        name=pathlib.Path(path).stem,
+        name=name,
         train=train,
         eval=evaluation,
         reward_fns=functions,
         reward_weights=weights,
         correctness=correctness or next(iter(functions)),
     )
+
+
+def jsonl_task(
+    path: str | os.PathLike,
+    *,
+    rewards: str,
+    eval_path: str | os.PathLike | None = None,
+    prompt_field: str = "prompt",
+    on_error: str = "reject",
+    **options: Any,
+) -> Task:
+    """Your own data from a JSONL/JSON file (and an optional eval file); see task_from_examples."""
+    examples = load_jsonl(path, prompt_field=prompt_field, on_error=on_error)
+    evaluation = None
+    if eval_path is not None:
+        evaluation = load_jsonl(eval_path, prompt_field=prompt_field, on_error=on_error)
+    return task_from_examples(
+        pathlib.Path(path).stem, examples, evaluation, rewards=rewards, **options
+    )
+
+
+def tfds_task(
+    dataset: str,
+    *,
+    rewards: str,
+    split: str = "train",
+    eval_split: str | None = "test",
+    data_dir: str | os.PathLike | None = None,
+    prompt_field: str = "prompt",
+    on_error: str = "reject",
+    **options: Any,
+) -> Task:
+    """Any TFDS text dataset by name and split; see task_from_examples for the rest."""
+    load = functools.partial(
+        load_tfds, dataset, data_dir=data_dir, prompt_field=prompt_field, on_error=on_error
+    )
+    evaluation = load(eval_split) if eval_split else None
+    return task_from_examples(dataset, load(split), evaluation, rewards=rewards, **options)
