@@ -21,6 +21,7 @@ import logging
 import pathlib
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -41,7 +42,7 @@ from jgrpo.config import (
     load_config,
     to_dict,
 )
-from jgrpo.generation import encode_prompts, stop_token_ids
+from jgrpo.generation import encode_prompts, pad_prompts, stop_token_ids
 from jgrpo.losses import sequence_kl
 from jgrpo.metrics import MetricsWriter, ProgressBar
 from jgrpo.rewards import Scores, score_completions
@@ -198,17 +199,13 @@ def encode_examples(
 ) -> tuple[np.ndarray, np.ndarray]:  # (int32[P, L], int32[P, L])
     """Left-pads prompts to exactly max_prompt_length (static shapes for the whole run)."""
     token_lists = encode_prompts(tokenizer, [example["prompt"] for example in examples])
-    ids = np.full((len(examples), max_prompt_length), tokenizer.pad_token_id or 0, np.int32)
-    mask = np.zeros((len(examples), max_prompt_length), np.int32)
-    for row, tokens in enumerate(token_lists):
+    for example, tokens in zip(examples, token_lists, strict=True):
         if len(tokens) > max_prompt_length:
             raise ValueError(
-                f"prompt {examples[row]['prompt']!r} is {len(tokens)} tokens, more than "
+                f"prompt {example['prompt']!r} is {len(tokens)} tokens, more than "
                 f"rollout.max_prompt_length={max_prompt_length}; raise it (nothing is truncated)."
             )
-        ids[row, max_prompt_length - len(tokens) :] = tokens
-        mask[row, max_prompt_length - len(tokens) :] = 1
-    return ids, mask
+    return pad_prompts(token_lists, buckets=(max_prompt_length,))
 
 
 def decode_completions(
@@ -248,45 +245,32 @@ class Groups:
     prompts: list[Any]
 
     def select_groups(self, groups: Sequence[int], group_size: int) -> Groups:
+        """The rows of the given groups, in that order."""
         rows = np.concatenate([np.arange(g * group_size, (g + 1) * group_size) for g in groups])
-        pick = lambda x: x[rows]  # noqa: E731
-        return Groups(
-            prompt_ids=pick(self.prompt_ids),
-            prompt_mask=pick(self.prompt_mask),
-            tokens=pick(self.tokens),
-            mask=pick(self.mask),
-            lengths=pick(self.lengths),
-            truncated=pick(self.truncated),
-            rewards=pick(self.rewards),
-            valid=pick(self.valid),
-            per_function={k: pick(v) for k, v in self.per_function.items()},
-            texts=[self.texts[r] for r in rows],
-            prompts=[self.prompts[r] for r in rows],
-        )
+        return Groups(**{name: _take(value, rows) for name, value in vars(self).items()})
 
     @staticmethod
     def concatenate(parts: Sequence[Groups]) -> Groups:
-        cat = lambda name: np.concatenate([getattr(p, name) for p in parts])  # noqa: E731
-        return Groups(
-            **{
-                name: cat(name)
-                for name in (
-                    "prompt_ids",
-                    "prompt_mask",
-                    "tokens",
-                    "mask",
-                    "lengths",
-                    "truncated",
-                    "rewards",
-                    "valid",
-                )
-            },
-            per_function={
-                k: np.concatenate([p.per_function[k] for p in parts]) for k in parts[0].per_function
-            },
-            texts=[t for p in parts for t in p.texts],
-            prompts=[t for p in parts for t in p.prompts],
-        )
+        names = vars(parts[0])
+        return Groups(**{name: _join([vars(p)[name] for p in parts]) for name in names})
+
+
+def _take(field, rows: np.ndarray):
+    """Rows of one Groups field: an array, a dict of arrays or a list."""
+    if isinstance(field, dict):
+        return {key: value[rows] for key, value in field.items()}
+    if isinstance(field, list):
+        return [field[row] for row in rows]
+    return field[rows]
+
+
+def _join(fields: list):
+    """One Groups field of several parts, stacked along the rows."""
+    if isinstance(fields[0], dict):
+        return {key: np.concatenate([f[key] for f in fields]) for key in fields[0]}
+    if isinstance(fields[0], list):
+        return [item for f in fields for item in f]
+    return np.concatenate(fields)
 
 
 def zero_signal(rewards: np.ndarray, valid: np.ndarray, group_size: int) -> np.ndarray:
@@ -654,8 +638,6 @@ class _Preemption:
 
 
 def _in_main_thread() -> bool:
-    import threading
-
     return threading.current_thread() is threading.main_thread()
 
 

@@ -4,6 +4,12 @@ A reward function is `fn(prompts, completions, **example_fields) -> list[float |
 the signature of TRL's GRPOTrainer, so functions written for TRL port unchanged.
 """
 
-from jgrpo.rewards.scoring import RewardError, RewardFn, Scores, score_completions
+from jgrpo.rewards.scoring import (
+    RewardError,
+    RewardFn,
+    Scores,
+    completion_text,
+    score_completions,
+)
 
-__all__ = ["RewardError", "RewardFn", "Scores", "score_completions"]
+__all__ = ["RewardError", "RewardFn", "Scores", "completion_text", "score_completions"]

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from jgrpo.rewards.sandbox import run_many
+from jgrpo.rewards.scoring import completion_text
 
 _FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 
@@ -65,7 +66,7 @@ _jgrpo_harness({program!r}, {units!r}, {marker!r})
 
 def extract_program(completion: Any) -> str:
     """The program in a completion: its last python (or unlabelled) fenced block, else all."""
-    text = _content(completion)
+    text = completion_text(completion)
     blocks = _FENCE.findall(text)
     return blocks[-1] if blocks else text
 
@@ -113,15 +114,6 @@ def code_pass_fraction(
     units = [_split_tests(_source(t)) for t in tests]
     passed, counted, _ = _run(completions, units, timeout_s, memory_mb, max_workers)
     return [None if n is None else p / n for p, n in zip(passed, counted, strict=True)]
-
-
-def _content(completion: Any) -> str:
-    """A completion's text: a string, a chat message, or a list of messages (the last one)."""
-    if isinstance(completion, str):
-        return completion
-    if isinstance(completion, dict):
-        return completion["content"]
-    return completion[-1]["content"]
 
 
 def _source(tests: str | Sequence[str] | None) -> str | None:

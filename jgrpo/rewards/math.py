@@ -28,6 +28,8 @@ from collections.abc import Sequence
 from fractions import Fraction
 from typing import Any
 
+from jgrpo.rewards.scoring import completion_text
+
 MODES = ("lenient", "strict")
 
 Completion = str | Sequence[dict[str, Any]]  # text, or chat messages ending with the reply
@@ -73,13 +75,6 @@ _ANSWER_TAG = re.compile(r"<answer>((?:(?!<answer>).)*?)</answer>", re.DOTALL)
 _LATEX_TEXT = re.compile(r"\\(?:text|textbf|mathrm|mbox|operatorname)\s*\{([^{}]*)\}")
 _LATEX_NOISE = re.compile(r"\\[$%!,;:()\[\]]|\\left|\\right|\^\s*\{?\\circ\}?|\\circ|[$%°]")
 _ASSIGNMENT = re.compile(r"^[A-Za-z]\w*\s*=\s*(?=\S)")  # "x = 5" -> "5"
-
-
-def completion_text(completion: Completion) -> str:
-    """The text of a completion: itself, or the content of the last chat message."""
-    if isinstance(completion, str):
-        return completion
-    return completion[-1]["content"]
 
 
 def _check_mode(mode: str) -> None:

@@ -47,6 +47,15 @@ class Scores:
     failures: dict[str, int]  # name -> scores lost to exceptions or NaN
 
 
+def completion_text(completion: Any) -> str:
+    """A completion's text: the string itself, or the content of the last chat message."""
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, Mapping):
+        return completion["content"]
+    return completion[-1]["content"]
+
+
 def _as_score(value: Any, name: str, row: int) -> float | None:
     if value is None:
         return None

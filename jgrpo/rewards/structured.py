@@ -50,12 +50,9 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from jgrpo.rewards.scoring import completion_text
+
 _FENCE = "```"
-
-
-def _text(completion) -> str:
-    """A completion as text (chat completions end with {"role": "assistant", "content": ...})."""
-    return completion if isinstance(completion, str) else completion[-1]["content"]
 
 
 def _reject_constant(name: str):
@@ -102,7 +99,7 @@ def extract_object(completion) -> tuple[dict | None, str]:
 
     With no object the whole text counts as outside. See the module docstring for the rule.
     """
-    text = _text(completion).strip()
+    text = completion_text(completion).strip()
     start = text.find("{")
     end = None if start < 0 else _object_end(text, start)
     if end is None:

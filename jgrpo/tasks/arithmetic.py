@@ -18,6 +18,7 @@ import numpy as np
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
+from jgrpo.rewards.scoring import completion_text
 from jgrpo.tasks import Task
 
 _INTEGER = re.compile(r"\d+")
@@ -56,14 +57,12 @@ def text_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def _text(completion) -> str:
-    """A completion as text (chat completions are [{"role": "assistant", "content": ...}])."""
-    return completion if isinstance(completion, str) else completion[-1]["content"]
-
-
 def correct_reward(completions, answer, **_) -> list[float]:
     """1.0 when the completion is exactly the expected integer, else 0.0."""
-    return [float(_text(c).strip() == str(a)) for c, a in zip(completions, answer, strict=True)]
+    return [
+        float(completion_text(c).strip() == str(a))
+        for c, a in zip(completions, answer, strict=True)
+    ]
 
 
 def format_reward(completions, *, max_digits: int, **_) -> list[float]:
@@ -71,7 +70,7 @@ def format_reward(completions, *, max_digits: int, **_) -> list[float]:
     stop in time), whatever its value."""
     return [
         float(_INTEGER.fullmatch(text) is not None and len(text) <= max_digits)
-        for text in (_text(c).strip() for c in completions)
+        for text in (completion_text(c).strip() for c in completions)
     ]
 
 
