@@ -1,8 +1,9 @@
-"""Group sampling as one compiled program: prefill each prompt once, fan its KV cache out to
-its G rows, then decode in a `jax.lax.while_loop` that stops when every row has stopped.
+"""Group sampling as one compiled program: prefill each prompt once, decode its G rows against
+that one prompt cache (`models.group_decode`) in a `jax.lax.while_loop` that stops when every
+row has stopped.
 
 Shapes: P prompts, G generations per prompt, L (bucketed) prompt length, N new tokens,
-S = L + N cache slots, V vocabulary. Rows are ordered prompt-major: row p * G + g.
+V vocabulary. Rows are ordered prompt-major: row p * G + g.
 
 Log-probabilities are those of the temperature-scaled distribution, log_softmax(logits / T),
 which is what the trainer recomputes with `jgrpo.token_logprobs(..., temperature=T)`: use the
@@ -15,13 +16,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from models.config import ModelConfig
-from models.transformer import forward, init_cache, logits_from_hidden
+from models.group_decode import decode_step, prefill, unstack_layers
+from models.transformer import logits_from_hidden
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,9 +88,46 @@ def filter_logits(logits: jax.Array, *, top_k: int, top_p: float, min_p: float) 
     return logits
 
 
+def categorical(key: jax.Array, logits: jax.Array) -> jax.Array:
+    """One draw per row from softmax(logits [B, V]): int32[B]. See `inverse_cdf_sample`."""
+    return inverse_cdf_sample(jax.random.uniform(key, logits.shape[:1]), logits)
+
+
+def inverse_cdf_sample(uniform: jax.Array, logits: jax.Array) -> jax.Array:
+    """The token whose CDF interval under softmax(logits [B, V]) holds uniform [B]: int32[B].
+
+    One uniform per row where `jax.random.categorical` needs B * V Gumbels (on CPU those cost
+    more than a decoder step). The CDF is inverted in two levels, over blocks of `block`
+    tokens and then inside the chosen block, so no length-V cumulative sum is built (XLA on
+    CPU computes a cumulative sum in time quadratic in its length); blocks of about sqrt(V)
+    tokens keep both levels short. Tokens of probability 0 (logits -inf) are never drawn,
+    whatever the rounding.
+    """
+    rows, vocab = logits.shape
+    block = 1 << max(0, math.ceil(math.log2(vocab) / 2))  # the power of two >= sqrt(V)
+    weights = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))  # [B, V], 0 for -inf
+    weights = jnp.pad(weights, ((0, 0), (0, -vocab % block))).reshape(rows, -1, block)
+    block_mass = weights.sum(-1)  # [B, V/block]
+    block_end = jnp.cumsum(block_mass, axis=-1)
+    target = uniform * block_end[:, -1]  # [B], in [0, total)
+    chosen_block = _first_above(block_end, target, block_mass > 0)  # [B]
+    in_block = jnp.take_along_axis(weights, chosen_block[:, None, None], axis=1)[:, 0]
+    block_start = jnp.take_along_axis(block_end - block_mass, chosen_block[:, None], axis=1)
+    offset = _first_above(jnp.cumsum(in_block, axis=-1), target - block_start[:, 0], in_block > 0)
+    return (chosen_block * block + offset).astype(jnp.int32)
+
+
+def _first_above(cumulative: jax.Array, target: jax.Array, positive: jax.Array) -> jax.Array:
+    """Per row, the first index with positive mass whose cumulative mass exceeds the target;
+    the last positive one if rounding left the target at or above the total."""
+    hit = positive & (cumulative > target[:, None])  # [B, n]
+    last_positive = positive.shape[-1] - 1 - jnp.argmax(positive[:, ::-1], axis=-1)
+    return jnp.where(hit.any(-1), jnp.argmax(hit, axis=-1), last_positive)
+
+
 def sample_tokens(
     logits: jax.Array,  # f32[B, V]
-    key: jax.Array,
+    uniform: jax.Array,  # f32[B] in [0, 1): the randomness of this draw
     sampling: SamplingConfig,
 ) -> tuple[jax.Array, jax.Array]:  # (int32[B], f32[B])
     """Draws one token per row; returns it and its log-prob under log_softmax(logits / T)."""
@@ -99,7 +139,7 @@ def sample_tokens(
         allowed = filter_logits(
             scaled, top_k=sampling.top_k, top_p=sampling.top_p, min_p=sampling.min_p
         )
-        tokens = jax.random.categorical(key, allowed, axis=-1)
+        tokens = inverse_cdf_sample(uniform, allowed)
     log_probs = jax.nn.log_softmax(scaled, axis=-1)
     chosen = jnp.take_along_axis(log_probs, tokens[:, None], axis=-1)[:, 0]
     return tokens.astype(jnp.int32), chosen
@@ -118,39 +158,32 @@ def rollout(
 ) -> Rollout:
     """G completions for each prompt, sampled by the model with parameters `params`.
 
-    Each prompt is prefilled once (cost independent of G); its KV cache, its slot mask and
-    its last logits are then repeated G times. The decode loop runs on device until every row
-    has emitted a stop token or N tokens.
+    Each prompt is prefilled once (cost independent of G) and its KV cache is shared by its G
+    rows, never copied; only its last logits are repeated G times. The decode loop runs on
+    device until every row has emitted a stop token or N tokens.
     """
-    prompts, prompt_length = prompt_ids.shape
+    prompts = prompt_ids.shape[0]
     rows, steps = prompts * num_generations, sampling.max_new_tokens
-    slots = prompt_length + steps
 
-    # Prefill: P rows, logits only at the last (real) position.
-    cache = init_cache(model_config, prompts, slots, params["embed"].dtype)
-    slot_mask = jnp.zeros((prompts, slots), jnp.int32).at[:, :prompt_length].set(prompt_mask)
-    hidden, cache = forward(
+    # Prefill: P rows; the G rows of a prompt share its cache and start from its last logits.
+    hidden, cache = prefill(
         params,
         prompt_ids,
-        attention_mask=slot_mask,
-        cache=cache,
+        prompt_mask,
         config=model_config,
-        return_hidden=True,
+        num_generations=num_generations,
+        max_new_tokens=steps,
     )
-    next_logits = logits_from_hidden(params, hidden[:, -1])  # [P, V]
+    next_logits = jnp.repeat(logits_from_hidden(params, hidden), num_generations, axis=0)
+    prompt_lengths = jnp.repeat(prompt_mask.astype(jnp.int32).sum(-1), num_generations)  # [P*G]
+    layers = unstack_layers(params, model_config.num_layers)
 
-    # Fan out to the G rows of each prompt.
-    def fan_out(x, axis=0):
-        return jnp.repeat(x, num_generations, axis=axis)
-
-    cache = cache._replace(k=fan_out(cache.k, axis=1), v=fan_out(cache.v, axis=1))
-    slot_mask, next_logits = fan_out(slot_mask), fan_out(next_logits)
-
+    # All the randomness up front: the loop body then holds no random-bit generator.
+    uniforms = jax.random.uniform(key, (steps, rows))  # [N, P*G]
     stop_ids = jnp.asarray(sampling.stop_token_ids, jnp.int32)
     start = dict(
         step=jnp.zeros((), jnp.int32),
         cache=cache,
-        slot_mask=slot_mask,
         last_token=jnp.zeros((rows,), jnp.int32),
         tokens=jnp.full((rows, steps), sampling.pad_token_id, jnp.int32),
         logprobs=jnp.zeros((rows, steps), jnp.float32),
@@ -160,8 +193,7 @@ def rollout(
 
     def sample_step(state, logits):  # logits f32[P*G, V] for the token at state["step"]
         step, stopped = state["step"], state["stopped"]
-        step_key = jax.random.fold_in(key, step)
-        token, logprob = sample_tokens(logits, step_key, sampling)
+        token, logprob = sample_tokens(logits, uniforms[step], sampling)
         token = jnp.where(stopped, sampling.pad_token_id, token)
         logprob = jnp.where(stopped, 0.0, logprob)
         is_stop = jnp.isin(token, stop_ids) & ~stopped
@@ -178,20 +210,24 @@ def rollout(
     def keep_going(state):
         return (state["step"] < steps) & ~jnp.all(state["stopped"])
 
-    def decode_step(state):
-        """Feeds the last drawn token (slot L + step - 1), then draws the next one."""
-        slot_mask = state["slot_mask"].at[:, prompt_length + state["step"] - 1].set(1)
-        logits, cache = forward(
+    def decode_step_and_sample(state):
+        """Feeds the last drawn token (completion slot step - 1), then draws the next one."""
+        slot = state["step"] - 1
+        hidden, cache = decode_step(
             params,
-            state["last_token"][:, None],
-            attention_mask=slot_mask,
-            cache=state["cache"],
+            layers,
+            state["cache"],
+            state["last_token"],
+            prompt_lengths + slot,
+            slot,
+            prompt_mask,
             config=model_config,
         )
-        return sample_step(dict(state, cache=cache, slot_mask=slot_mask), logits[:, 0])
+        logits = logits_from_hidden(params, hidden)  # [P*G, V]
+        return sample_step(dict(state, cache=cache), logits)
 
     # Token 0 comes from the prefill's logits, so N tokens take N - 1 decode forwards.
-    final = jax.lax.while_loop(keep_going, decode_step, sample_step(start, next_logits))
+    final = jax.lax.while_loop(keep_going, decode_step_and_sample, sample_step(start, next_logits))
     lengths = final["lengths"]
     return Rollout(
         tokens=final["tokens"],

@@ -182,7 +182,7 @@ class Transformer(nnx.Module):
         )
 
 
-@functools.partial(jax.jit, static_argnames=("config", "return_hidden"))
+@functools.partial(jax.jit, static_argnames=("config", "return_hidden", "return_kv"))
 def forward(
     params: dict,
     input_ids: jax.Array,  # int[B, T]
@@ -192,6 +192,7 @@ def forward(
     positions: jax.Array | None = None,  # int[B, T]
     cache: KVCache | None = None,
     return_hidden: bool = False,
+    return_kv: bool = False,
 ):
     """The decoder as a pure function of its parameters (jitted; inlined under an outer jit).
 
@@ -202,7 +203,12 @@ def forward(
 
     `positions` default to the count of real tokens before each one (so left padding does not
     shift RoPE), or to 0..T-1 (+ cache.index) when there is no mask.
+
+    `return_kv` (no cache only) also returns the keys and values of every layer, k and v
+    [L, B, K, T, D], as `(output, (k, v))`: a prefill for `models.group_decode`.
     """
+    if return_kv and cache is not None:
+        raise ValueError("return_kv is for a forward without a cache (a prefill).")
     batch, length = input_ids.shape
     if cache is None:
         key_mask = _default_mask(attention_mask, (batch, length), "[B, T]")
@@ -225,12 +231,12 @@ def forward(
     if cache is None:
 
         def layer(x, layer_params):
-            x, _ = decoder_layer(config, layer_params, x, cos, sin, mask)
-            return x, None
+            x, kv = decoder_layer(config, layer_params, x, cos, sin, mask)
+            return x, kv if return_kv else None
 
         if config.remat:
             layer = jax.checkpoint(layer, prevent_cse=False)
-        x, _ = jax.lax.scan(layer, x, params["layers"])
+        x, layer_kv = jax.lax.scan(layer, x, params["layers"])
     else:
         # The stacked cache rides in the scan carry and each layer updates its slots in place:
         # slicing it as scan input and restacking it as output would copy it every step.
@@ -248,6 +254,8 @@ def forward(
 
     hidden = rms_norm(x, params["final_norm"], config.rms_norm_eps)  # [B, T, E]
     out = hidden if return_hidden else logits_from_hidden(params, hidden)
+    if return_kv:
+        return out, layer_kv
     return out if cache is None else (out, cache)
 
 
@@ -312,14 +320,9 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return rotated.astype(x.dtype)
 
 
-def decoder_layer(config, params, x, cos, sin, mask, cache=None, offset=0):
-    """One pre-norm block: x + attention(norm(x)), then + SwiGLU(norm(x)).
-
-    x [B, T, E]; mask bool[B, T, S]. Without a cache the keys are the T new tokens. With
-    `cache=(k, v, layer)` (k, v [L, B, K, S, D]) the new keys and values are written at slots
-    [offset, offset + T) of that layer and attention reads all S slots; returns
-    (x, (k, v)), else (x, None).
-    """
+def attention_inputs(config, params, x, cos, sin):
+    """Queries [B, T, H, D] and keys, values [B, K, T, D] of one layer for x [B, T, E]:
+    pre-norm, projections, optional biases and qk-norm, RoPE."""
     eps = config.rms_norm_eps
     h = rms_norm(x, params["attn_norm"], eps)
     q = jnp.einsum("bte,ehd->bthd", h, params["q_kernel"])  # [B, T, H, D]
@@ -331,10 +334,32 @@ def decoder_layer(config, params, x, cos, sin, mask, cache=None, offset=0):
         q = rms_norm(q, params["q_norm"], eps)
         k = rms_norm(k, params["k_norm"], eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    return q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 
-    k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, D]
+
+def finish_layer(config, params, x, attention):
+    """The rest of a block after attention [B, T, H, D]: output projection and residual, then
+    x + SwiGLU(norm(x))."""
+    x = x + jnp.einsum("bthd,hde->bte", attention, params["o_kernel"])
+    h = rms_norm(x, params["mlp_norm"], config.rms_norm_eps)
+    gate = jnp.einsum("bte,em->btm", h, params["gate_kernel"])
+    up = jnp.einsum("bte,em->btm", h, params["up_kernel"])
+    hidden = constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
+    x = x + jnp.einsum("btm,me->bte", hidden, params["down_kernel"])
+    return constrain(x, ("batch", "length", "embed"))
+
+
+def decoder_layer(config, params, x, cos, sin, mask, cache=None, offset=0):
+    """One pre-norm block: x + attention(norm(x)), then + SwiGLU(norm(x)).
+
+    x [B, T, E]; mask bool[B, T, S]. Without a cache the keys are the T new tokens and the
+    call returns (x, (k, v)) with k, v [B, K, T, D]. With `cache=(k, v, layer)` (k, v
+    [L, B, K, S, D]) the new keys and values are written at slots [offset, offset + T) of that
+    layer, attention reads all S slots, and the call returns (x, (k, v)) of the whole cache.
+    """
+    q, k, v = attention_inputs(config, params, x, cos, sin)  # k, v [B, K, T, D]
     if cache is None:
-        keys, values, new_cache = k, v, None
+        keys, values, new_cache = k, v, (k, v)
     else:
         k_all, v_all, layer = cache
         start = (layer, 0, 0, offset, 0)
@@ -345,15 +370,8 @@ def decoder_layer(config, params, x, cos, sin, mask, cache=None, offset=0):
         new_cache = (k_all, v_all)
     keys = constrain(keys, ("batch", "kv_heads", "length", "head_dim"))
     values = constrain(values, ("batch", "kv_heads", "length", "head_dim"))
-
     attention = grouped_query_attention(q, keys, values, mask)  # [B, T, H, D]
-    x = x + jnp.einsum("bthd,hde->bte", attention, params["o_kernel"])
-    h = rms_norm(x, params["mlp_norm"], eps)
-    gate = jnp.einsum("bte,em->btm", h, params["gate_kernel"])
-    up = jnp.einsum("bte,em->btm", h, params["up_kernel"])
-    hidden = constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
-    x = x + jnp.einsum("btm,me->bte", hidden, params["down_kernel"])
-    return constrain(x, ("batch", "length", "embed")), new_cache
+    return finish_layer(config, params, x, attention), new_cache
 
 
 def grouped_query_attention(q, k, v, mask):

@@ -9,7 +9,7 @@ from tiny_hf import VOCAB
 
 import jgrpo
 from jgrpo.generation import bucket_length, pad_prompts
-from jgrpo.sampling import SamplingConfig, filter_logits, rollout
+from jgrpo.sampling import SamplingConfig, categorical, filter_logits, rollout
 from models.hf import from_pretrained
 
 PROMPT_LENGTHS = [5, 9, 3]
@@ -130,16 +130,33 @@ def test_filter_logits_against_reference(filters):
     np.testing.assert_array_equal(got, allowed_sets(np.asarray(logits), **filters))
     # Every allowed token is reachable: 4000 draws of one row cover its allowed set.
     row = jnp.tile(logits[:1], (4000, 1))
-    draws = jax.random.categorical(
+    draws = categorical(
         jax.random.key(1), filter_logits(row, **{**dict(top_k=0, top_p=1.0, min_p=0.0), **filters})
     )
     assert set(np.asarray(draws).tolist()) == set(np.flatnonzero(got[0]).tolist())
 
 
+@pytest.mark.parametrize("vocab", [5, 300, 1000])
+def test_categorical_draws_follow_the_softmax(vocab):
+    """The inverse-CDF sampler's frequencies match softmax(logits) within 5 standard errors
+    per token; tokens at -inf never come. 300 and 1000 are not multiples of its block size."""
+    logits = np.asarray(jax.random.normal(jax.random.key(2), (vocab,))) * 2.0
+    logits[::7] = -np.inf
+    draws = 50_000
+    tokens = np.asarray(categorical(jax.random.key(3), jnp.tile(jnp.asarray(logits), (draws, 1))))
+    probs = np.exp(logits - logits.max())
+    probs /= probs.sum()
+    frequencies = np.bincount(tokens, minlength=vocab) / draws
+    assert frequencies[probs == 0].sum() == 0
+    np.testing.assert_array_less(
+        np.abs(frequencies - probs), 5 * np.sqrt(probs * (1 - probs) / draws) + 1e-9
+    )
+
+
 def test_stop_tokens_end_the_mask_exactly_there(hf_checkpoint):
     model = from_pretrained(hf_checkpoint("qwen2")[0])
     ids, mask = prompts(seed=3)
-    stops = tuple(range(3, VOCAB, 4))  # a quarter of the vocabulary stops a row
+    stops = tuple(range(3, VOCAB, 16))  # a 16th of the vocabulary stops a row
     result = run(
         model,
         ids,
@@ -212,6 +229,30 @@ def test_prefill_runs_once_per_prompt_not_per_generation(hf_checkpoint):
     # One decode step per row costs about 1/60 of a prefill: 16 rows add ~15/60. Prefilling
     # each generation would multiply the total by ~16.
     assert ratio < 1.6, ratio
+
+
+def test_prompt_cache_is_shared_by_the_group_not_copied(hf_checkpoint):
+    """The compiled rollout's scratch memory does not grow by even one prompt KV cache from
+    G = 1 to G = 16: the G rows read their prompt's cache, nothing copies it to them."""
+    model = from_pretrained(hf_checkpoint("llama3")[0])
+    c = model.config
+    ids, mask = pad_prompts([list(range(3, 63))] * 2)  # P = 2 prompts, 64 slots
+
+    def scratch_bytes(num_generations):
+        lowered = rollout.lower(
+            model.params(),
+            jnp.asarray(ids),
+            jnp.asarray(mask),
+            jax.random.key(0),
+            model_config=c,
+            num_generations=num_generations,
+            sampling=SamplingConfig(max_new_tokens=1),
+        )
+        return lowered.compile().memory_analysis().temp_size_in_bytes
+
+    prompt_cache = 2 * c.num_layers * 2 * c.num_kv_heads * 64 * c.head_dim * 4  # k+v, f32
+    # Copying it to each row would add 15 of them.
+    assert scratch_bytes(16) - scratch_bytes(1) < prompt_cache
 
 
 @pytest.mark.parametrize(

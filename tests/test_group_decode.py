@@ -1,0 +1,87 @@
+"""Shared-prefix decoding: one prompt cache per group, equal to the plain decoder."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tiny_hf import FAMILIES, VOCAB
+
+from models.group_decode import decode_step, prefill, shared_prefix_attention, unstack_layers
+from models.hf import from_pretrained
+from models.transformer import grouped_query_attention, logits_from_hidden
+
+
+def test_shared_prefix_attention_equals_attention_over_the_copied_prompt():
+    prompts, groups, kv_heads, per_kv, dim, prompt_slots, slots = 3, 4, 2, 3, 8, 5, 6
+    rows = prompts * groups
+    keys = jax.random.split(jax.random.key(0), 5)
+    q = jax.random.normal(keys[0], (rows, 1, kv_heads * per_kv, dim))
+    prompt_k, prompt_v = (
+        jax.random.normal(k, (prompts, kv_heads, prompt_slots, dim)) for k in keys[1:3]
+    )
+    completion_k, completion_v = (
+        jax.random.normal(k, (rows, kv_heads, slots, dim)) for k in keys[3:5]
+    )
+    prompt_mask = np.ones((prompts, prompt_slots), np.int32)
+    prompt_mask[1, :2] = 0  # left padding
+    prompt_mask[2, :4] = 0
+    completion_mask = np.arange(slots) <= 3  # slots 4 and 5 not written yet
+
+    got = shared_prefix_attention(
+        q, prompt_k, prompt_v, completion_k, completion_v, prompt_mask, completion_mask
+    )
+    # Reference: the prompt cache copied to each of its G rows, then ordinary attention.
+    copied_k = jnp.concatenate([jnp.repeat(prompt_k, groups, 0), completion_k], axis=2)
+    copied_v = jnp.concatenate([jnp.repeat(prompt_v, groups, 0), completion_v], axis=2)
+    mask = np.concatenate(
+        [np.repeat(prompt_mask, groups, 0), np.tile(completion_mask, (rows, 1))], axis=1
+    ).astype(bool)[:, None, :]  # [B, 1, S]
+    expected = grouped_query_attention(q, copied_k, copied_v, mask)
+    assert got.shape == (rows, 1, kv_heads * per_kv, dim)
+    np.testing.assert_allclose(got, expected, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_prefill_then_group_decode_equals_full_forward(family, hf_checkpoint):
+    """G rows continue each prompt with their own tokens; every step's logits equal a full
+    forward over prompt + completion (left-padded prompts, biases, qk-norm, tied heads)."""
+    model = from_pretrained(hf_checkpoint(family)[0])
+    params, config = model.params(), model.config
+    prompts, groups, new_tokens, length = 2, 3, 5, 8
+    rng = np.random.default_rng(0)
+    prompt_ids = rng.integers(3, VOCAB, (prompts, length)).astype(np.int32)
+    prompt_mask = np.ones((prompts, length), np.int32)
+    prompt_mask[1, :3] = 0
+    prompt_ids[1, :3] = 0
+    completions = rng.integers(3, VOCAB, (prompts * groups, new_tokens)).astype(np.int32)
+
+    hidden, cache = prefill(
+        params,
+        jnp.asarray(prompt_ids),
+        jnp.asarray(prompt_mask),
+        config=config,
+        num_generations=groups,
+        max_new_tokens=new_tokens,
+    )
+    steps = [np.repeat(np.asarray(logits_from_hidden(params, hidden)), groups, axis=0)]
+    layers = unstack_layers(params, config.num_layers)
+    step = jax.jit(decode_step, static_argnames="config")
+    lengths = np.repeat(prompt_mask.sum(-1), groups)
+    for slot in range(new_tokens - 1):
+        hidden, cache = step(
+            params,
+            layers,
+            cache,
+            jnp.asarray(completions[:, slot]),
+            jnp.asarray(lengths + slot),
+            jnp.int32(slot),
+            jnp.asarray(prompt_mask),
+            config=config,
+        )
+        steps.append(np.asarray(logits_from_hidden(params, hidden)))
+    incremental = np.stack(steps, axis=1)  # [P*G, N, V]
+
+    sequence = np.concatenate([np.repeat(prompt_ids, groups, 0), completions], axis=1)
+    mask = np.concatenate([np.repeat(prompt_mask, groups, 0), np.ones_like(completions)], axis=1)
+    full = np.asarray(model(jnp.asarray(sequence), attention_mask=jnp.asarray(mask)))
+    np.testing.assert_allclose(incremental, full[:, length - 1 : -1], atol=1e-5, rtol=0)
