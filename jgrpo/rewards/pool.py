@@ -31,6 +31,10 @@ def _invoke(fn: Callable[..., Any], kwargs: dict[str, Any]) -> list[Any]:
     return list(fn(**kwargs))
 
 
+def _load(fn: Callable[..., Any]) -> None:
+    """Nothing: receiving `fn` makes the worker import its module, outside any timeout."""
+
+
 class VerifierPool:
     """`workers` processes (started on first use) that run reward calls with a timeout."""
 
@@ -39,6 +43,7 @@ class VerifierPool:
             raise ValueError(f"need workers >= 1 and timeout_s > 0, got {workers}, {timeout_s}.")
         self.workers, self.timeout_s = workers, timeout_s
         self._pool = None
+        self._loaded: set[bytes] = set()  # functions whose modules the current workers import
         self._in_process: set[str] = set()  # names already logged as not picklable
 
     def run(self, fn: Callable[..., Any], kwargs: dict[str, Any], *, name: str = "") -> Any:
@@ -52,6 +57,8 @@ class VerifierPool:
             return fn(**kwargs)
         if self._pool is None:
             self._pool = multiprocessing.get_context("forkserver").Pool(self.workers)
+            self._loaded = set()
+        self._load_in_workers(fn, name)
         pending = self._pool.apply_async(_invoke, (fn, kwargs))
         try:
             return pending.get(self.timeout_s)
@@ -61,6 +68,23 @@ class VerifierPool:
                 f"reward function {name!r} took longer than {self.timeout_s} s "
                 "(task.reward_timeout_s)"
             ) from None
+
+    def _load_in_workers(self, fn: Callable[..., Any], name: str) -> None:
+        """Starting a worker and importing a verifier's module (jax, a parser, ...) can take
+        seconds on a busy machine; done once per pool start, it does not count against the
+        timeout of a call."""
+        blob = pickle.dumps(fn)
+        if blob in self._loaded:
+            return
+        limit = max(60.0, 10 * self.timeout_s)
+        try:
+            self._pool.map_async(_load, [fn] * self.workers, chunksize=1).get(limit)
+        except multiprocessing.TimeoutError:
+            self._kill()
+            raise VerifierTimeout(
+                f"reward function {name!r} could not be loaded in a worker within {limit} s"
+            ) from None
+        self._loaded.add(blob)
 
     def _kill(self) -> None:
         if self._pool is not None:
