@@ -17,6 +17,7 @@ SIGTERM (TPU preemption) saves one and exits 0. With no arguments the CPU demo r
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import pathlib
 import signal
@@ -45,9 +46,18 @@ from jgrpo.config import (
 from jgrpo.generation import encode_prompts, pad_prompts, stop_token_ids
 from jgrpo.losses import sequence_kl
 from jgrpo.metrics import MetricsWriter, ProgressBar
+from jgrpo.plan import check_memory
 from jgrpo.rewards import Scores, score_completions
 from jgrpo.rewards.pool import VerifierPool
-from jgrpo.sampling import SamplingConfig, rollout
+from jgrpo.sampling import Rollout, SamplingConfig, rollout
+from jgrpo.sharding import (
+    make_mesh,
+    optimizer_state_shardings,
+    replicated,
+    row_shardings,
+    rules_context,
+    tree_shardings,
+)
 from jgrpo.update import (
     Batch,
     TrainState,
@@ -322,8 +332,106 @@ class Trainer:
             config, beta_in_loss=0.0 if algo.kl_in_reward else algo.beta
         )
         self.optimizer = optimizer_of(config)
+        self.setup_mesh()
         workers, timeout = config.task.reward_workers, config.task.reward_timeout_s
         self.reward_pool = VerifierPool(workers, timeout) if workers else None
+
+    # --- placement on the mesh ---------------------------------------------------------------
+
+    def setup_mesh(self) -> None:
+        """The device mesh, the shardings of every array the loop keeps, and the jitted update
+        with explicit in/out shardings (the state donated)."""
+        import models
+
+        m = self.config.mesh
+        devices = jax.devices() if m.devices == -1 else jax.devices()[: m.devices]
+        if m.devices > len(devices):
+            raise ConfigError(f"mesh.devices={m.devices} but only {len(devices)} exist.")
+        self.mesh = make_mesh(m.shape, devices)
+        split = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+        prompts = self.config.rollout.prompts_per_step
+        if prompts % split:
+            raise ConfigError(
+                f"rollout.prompts_per_step={prompts} must be divisible by mesh.data x mesh.fsdp "
+                f"= {split} (each device samples whole groups of its prompts); change one of "
+                "them, or use fewer devices with mesh.devices."
+            )
+        self.rows, self.row_matrix = row_shardings(self.mesh)  # [B] and [B, T] arrays
+        params = self.model.params()
+        self.param_shardings = tree_shardings(
+            params, models.transformer.param_axes(self.model_config), self.mesh
+        )
+        abstract_opt = jax.eval_shape(self.optimizer.init, params)
+        self.state_shardings = TrainState(
+            params=self.param_shardings,
+            opt_state=optimizer_state_shardings(
+                self.optimizer, abstract_opt, self.param_shardings, self.mesh
+            ),
+            step=replicated(self.mesh),
+        )
+        self.update = self.update_program(self.update_config)
+        self._rollouts: dict[tuple[SamplingConfig, int], Callable] = {}
+
+    def update_program(self, update_config: UpdateConfig) -> Callable:
+        """`jgrpo.train_step` jitted with explicit in/out shardings, the state donated."""
+        batch_shardings = Batch(self.row_matrix, self.row_matrix, self.row_matrix, self.rows)
+        uses_ref = update_config.beta > 0
+        return jax.jit(
+            functools.partial(
+                train_step.__wrapped__,
+                model_config=self.model_config,
+                update_config=update_config,
+                optimizer=self.optimizer,
+            ),
+            in_shardings=(
+                self.state_shardings,
+                batch_shardings,
+                self.param_shardings if uses_ref else None,
+            ),
+            out_shardings=(self.state_shardings, replicated(self.mesh)),
+            donate_argnums=0,
+        )
+
+    def rollout_program(self, sampling: SamplingConfig, num_generations: int) -> Callable:
+        """`jgrpo.sampling.rollout` jitted with the prompts split over the batch axes."""
+        jitted = self._rollouts.get((sampling, num_generations))
+        if jitted is None:
+            rows = Rollout(*(self.row_matrix,) * 3, *(self.rows,) * 3)
+            jitted = jax.jit(
+                functools.partial(
+                    rollout.__wrapped__,
+                    model_config=self.model_config,
+                    num_generations=num_generations,
+                    sampling=sampling,
+                ),
+                in_shardings=(
+                    self.param_shardings,
+                    self.row_matrix,
+                    self.row_matrix,
+                    replicated(self.mesh),
+                ),
+                out_shardings=rows,
+            )
+            self._rollouts[(sampling, num_generations)] = jitted
+        return jitted
+
+    def initial_params(self) -> dict:
+        """The policy's parameters placed in their shards."""
+        return jax.device_put(self.model.params(), self.param_shardings)
+
+    def initial_state(self, params: dict) -> TrainState:
+        """Step 0 with the optimizer state created directly in its shards."""
+        return jax.jit(
+            functools.partial(init_state, optimizer=self.optimizer),
+            out_shardings=self.state_shardings,
+        )(params)
+
+    def sample(self, params, prompt_ids, prompt_mask, key, sampling, num_generations) -> Rollout:
+        """G completions of each prompt, sampled on the mesh."""
+        with rules_context(self.mesh):
+            return self.rollout_program(sampling, num_generations)(
+                params, prompt_ids, prompt_mask, key
+            )
 
     def check_prompts(self) -> None:
         """Prompts longer than rollout.max_prompt_length: an error, or dropped (task.on_error)."""
@@ -350,15 +458,7 @@ class Trainer:
         prompt_ids, prompt_mask = encode_examples(
             self.tokenizer, examples, c.rollout.max_prompt_length
         )
-        result = rollout(
-            params,
-            jnp.asarray(prompt_ids),
-            jnp.asarray(prompt_mask),
-            key,
-            model_config=self.model_config,
-            num_generations=g,
-            sampling=self.sampling,
-        )
+        result = self.sample(params, prompt_ids, prompt_mask, key, self.sampling, g)
         host = jax.device_get(result)
         timings["time/rollout"] = time.perf_counter() - start
 
@@ -438,25 +538,28 @@ class Trainer:
         return prompts, texts, scores
 
     def frozen_logprobs(self, params, batch: Batch) -> jax.Array:
-        return _frozen_logprobs(
-            params,
-            batch,
-            model_config=self.model_config,
-            temperature=self.config.rollout.temperature,
-        )
+        with rules_context(self.mesh):
+            return _frozen_logprobs(
+                params,
+                batch,
+                model_config=self.model_config,
+                temperature=self.config.rollout.temperature,
+            )
 
     def to_batch(self, groups: Groups, advantages: np.ndarray) -> Batch:
         completion_mask = groups.mask
         if self.config.algorithm.mask_truncated:
             completion_mask = completion_mask & ~groups.truncated[:, None]
-        return Batch(
-            input_ids=jnp.asarray(np.concatenate([groups.prompt_ids, groups.tokens], axis=1)),
-            attention_mask=jnp.asarray(
-                np.concatenate([groups.prompt_mask, groups.mask.astype(np.int32)], axis=1)
+        batch = Batch(
+            input_ids=np.concatenate([groups.prompt_ids, groups.tokens], axis=1),
+            attention_mask=np.concatenate(
+                [groups.prompt_mask, groups.mask.astype(np.int32)], axis=1
             ),
-            completion_mask=jnp.asarray(completion_mask),
-            advantages=jnp.asarray(advantages, jnp.float32),
+            completion_mask=completion_mask,
+            advantages=np.asarray(advantages, np.float32),
         )
+        shardings = Batch(self.row_matrix, self.row_matrix, self.row_matrix, self.rows)
+        return jax.device_put(batch, shardings)
 
     def collect(self, params, ref_params, key, position: int) -> tuple[Groups, dict, int]:
         """Stages 1-3: rollouts (more than one with dynamic sampling) -> the step's groups."""
@@ -538,14 +641,10 @@ class Trainer:
         batch = self.to_batch(groups, advantages)
 
         update_start = time.perf_counter()
-        state, update = train_step(
-            state,
-            batch,
-            ref_params if self.update_config.beta > 0 else None,
-            model_config=self.model_config,
-            update_config=self.update_config,
-            optimizer=self.optimizer,
-        )
+        with rules_context(self.mesh):
+            state, update = self.update(
+                state, batch, ref_params if self.update_config.beta > 0 else None
+            )
         metrics.update(_update_metrics(jax.device_get(update)))
         metrics["time/update"] = time.perf_counter() - update_start
         valid = advantages[groups.valid]
@@ -567,15 +666,7 @@ class Trainer:
             padded = part + [part[-1]] * (chunk - len(part))  # same shape for every chunk
             ids, mask = encode_examples(self.tokenizer, padded, c.rollout.max_prompt_length)
             result = jax.device_get(
-                rollout(
-                    params,
-                    jnp.asarray(ids),
-                    jnp.asarray(mask),
-                    jax.random.key(0),
-                    model_config=self.model_config,
-                    num_generations=1,
-                    sampling=self.greedy,
-                )
+                self.sample(params, ids, mask, jax.random.key(0), self.greedy, 1)
             )
             rows = len(part)
             prompts, texts, scores = self.score(
@@ -654,14 +745,15 @@ def train(
     """
     c = config
     trainer = Trainer(c, task)
+    check_memory(trainer)  # before anything is allocated: a config that cannot fit stops here
     run_dir = pathlib.Path(c.train.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
 
-    params = trainer.model.params()
+    params = trainer.initial_params()
     needs_ref = c.algorithm.beta > 0
     # A separate copy: the update donates (and so invalidates) the state's buffers.
     ref_params = jax.tree.map(jnp.copy, params) if needs_ref else None
-    state = init_state(jax.tree.map(jnp.copy, params), trainer.optimizer)
+    state = trainer.initial_state(params)
     checkpointer = Checkpointer(run_dir / "checkpoints", keep=c.train.keep_checkpoints)
     step, position = 0, 0
     latest = checkpointer.latest_step()

@@ -87,6 +87,21 @@ def layer_param_specs(c: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[
     return specs
 
 
+def param_axes(config: ModelConfig) -> dict:
+    """The logical axis names of every parameter, a pytree shaped like `Transformer.params()`
+    (a mesh's rules table maps them to mesh axes; see `jgrpo.sharding`)."""
+    axes = {
+        "embed": ("vocab", "embed"),
+        "layers": {
+            name: ("layers", *names) for name, (_, names) in layer_param_specs(config).items()
+        },
+        "final_norm": ("embed",),
+    }
+    if not config.tie_word_embeddings:
+        axes["lm_head"] = ("embed", "vocab")
+    return axes
+
+
 def _init_value(name: str, shape, key, dtype):
     """Norm scales start at 1, biases at 0, kernels ~ N(0, 0.02) (HF's initializer_range)."""
     if name.endswith("norm"):

@@ -29,6 +29,7 @@ TINY = [
     "train.progress=false",
     "train.tensorboard=false",
     "task.reward_workers=0",  # rewards in-process: no worker start-up per run (one test uses them)
+    "mesh.devices=1",  # as on a laptop; tests/test_sharding.py trains on the 8 devices
 ]
 
 REQUIRED_METRICS = {
@@ -416,6 +417,8 @@ def test_the_qwen_recipe_runs_on_a_local_hf_checkpoint(tmp_path, hf_checkpoint):
             "rollout.max_new_tokens=4",
             "algorithm.num_minibatches=2",
             "algorithm.grad_accumulation=2",
+            "mesh.fsdp=2",  # the 8 test devices, as on a TPU VM: export gathers the shards
+            "mesh.tensor=4",
         ],
     )
     result = train_module.train(config)

@@ -1,0 +1,266 @@
+"""Memory planning: what each device holds during a step, read from the compiled programs.
+
+    python -m jgrpo.plan [CONFIG.yaml] [key=value ...] [--budget-gib 16]
+
+The rollout and the update are compiled ahead of time for the config's mesh (nothing runs).
+Parameters, optimizer state and the reference model are the per-device shards of their
+arrays; the KV cache comes from its shapes; the scratch memory of each program (activations,
+gradients, the cache) from XLA's own memory analysis of the compiled program. The peak is the
+larger of the two phases. With a budget, the report also names the largest micro-batch
+(rows per forward and backward pass, set by algorithm.grad_accumulation) that fits.
+
+`python -m jgrpo.train` runs the same check before step 1 when it knows a budget (the
+device's memory limit on GPU and TPU, or mesh.memory_budget_gib) and stops with this report
+instead of running out of memory mid-run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jgrpo.config import ConfigError, load_config
+from jgrpo.sharding import replicated
+from jgrpo.update import Batch, TrainState, UpdateConfig
+
+GIB = 1024**3
+
+
+class OutOfMemoryPlan(RuntimeError):
+    """The planned peak of a step exceeds the memory budget; the message is the report."""
+
+
+@dataclasses.dataclass
+class MemoryPlan:
+    """Bytes per device (the fullest device of the mesh)."""
+
+    mesh: dict[str, int]
+    parameters: int
+    optimizer: int
+    reference: int
+    kv_cache: int  # prompt + completion caches of one rollout (inside rollout_scratch)
+    rollout_scratch: int  # the compiled rollout's temporaries
+    update_scratch: int  # the compiled update's temporaries (activations, gradients)
+    batch: int  # one rollout batch as the update receives it
+    micro_batch_rows: int
+    fits: dict[int, int] = dataclasses.field(default_factory=dict)  # micro rows -> peak
+
+    @property
+    def resident(self) -> int:
+        return self.parameters + self.optimizer + self.reference
+
+    @property
+    def rollout_peak(self) -> int:
+        return self.resident + self.rollout_scratch
+
+    @property
+    def update_peak(self) -> int:
+        return self.resident + self.batch + self.update_scratch
+
+    @property
+    def peak(self) -> int:
+        return max(self.rollout_peak, self.update_peak)
+
+    def largest_fitting(self, budget: int) -> int | None:
+        """The largest micro-batch (rows) whose planned peak is within the budget."""
+        fitting = [rows for rows, peak in self.fits.items() if peak <= budget]
+        return max(fitting) if fitting else None
+
+    def report(self, budget: int | None = None) -> str:
+        mesh = " x ".join(f"{name}={size}" for name, size in self.mesh.items())
+        lines = [
+            f"memory per device, mesh {mesh}:",
+            f"  parameters       {_gib(self.parameters)}",
+            f"  optimizer state  {_gib(self.optimizer)}",
+            f"  reference model  {_gib(self.reference)}",
+            f"  rollout scratch  {_gib(self.rollout_scratch)}  (KV cache {_gib(self.kv_cache)})",
+            f"  update scratch   {_gib(self.update_scratch)}  "
+            f"(micro-batch of {self.micro_batch_rows} rows; batch {_gib(self.batch)})",
+            f"  peak             {_gib(self.peak)}  (rollout {_gib(self.rollout_peak)}, "
+            f"update {_gib(self.update_peak)})",
+        ]
+        if budget is not None:
+            lines.append(f"  budget           {_gib(budget)}")
+            for rows, peak in sorted(self.fits.items()):
+                mark = "fits" if peak <= budget else "too big"
+                lines.append(f"    micro-batch {rows:5d} rows: peak {_gib(peak)}  {mark}")
+            best = self.largest_fitting(budget)
+            lines.append(
+                f"  largest micro-batch that fits: {best} rows"
+                if best
+                else "  no micro-batch fits: shard further (mesh.fsdp, mesh.tensor), use "
+                "model.dtype=bfloat16, model.remat=true, or shorter rollout lengths"
+            )
+        return "\n".join(lines)
+
+
+def _gib(nbytes: int) -> str:
+    if nbytes < GIB:
+        return f"{nbytes / 1024**2:8.2f} MiB"
+    return f"{nbytes / GIB:8.2f} GiB"
+
+
+def shard_bytes(tree) -> int:
+    """Bytes of the largest shard of each array (ShapeDtypeStructs with shardings), summed."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        shape = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
+        total += math.prod(shape) * np.dtype(leaf.dtype).itemsize
+    return total
+
+
+def _abstract(tree, shardings):
+    return jax.tree.map(
+        lambda leaf, sharding: jax.ShapeDtypeStruct(np.shape(leaf), leaf.dtype, sharding=sharding),
+        tree,
+        shardings,
+    )
+
+
+def plan_memory(trainer, micro_batch_candidates: Sequence[int] = ()) -> MemoryPlan:
+    """Compiles the trainer's rollout and update for its mesh and sizes every part."""
+    from jgrpo.sharding import rules_context
+
+    c, mc, mesh = trainer.config, trainer.model_config, trainer.mesh
+    params = _abstract(jax.eval_shape(trainer.model.params), trainer.param_shardings)
+    opt_state = jax.eval_shape(trainer.optimizer.init, params)
+    opt_state = _abstract(opt_state, trainer.state_shardings.opt_state)
+    uses_reference = c.algorithm.beta > 0
+    prompts, length = c.rollout.prompts_per_step, c.rollout.max_prompt_length
+    rows, new_tokens = prompts * c.rollout.num_generations, c.rollout.max_new_tokens
+
+    def rows_array(shape, dtype, sharding):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+    prompt = rows_array((prompts, length), jnp.int32, trainer.row_matrix)
+    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=replicated(mesh))
+    with rules_context(mesh):
+        rollout = trainer.rollout_program(trainer.sampling, c.rollout.num_generations)
+        rollout_memory = rollout.lower(params, prompt, prompt, key).compile().memory_analysis()
+
+    batch = Batch(
+        input_ids=rows_array((rows, length + new_tokens), jnp.int32, trainer.row_matrix),
+        attention_mask=rows_array((rows, length + new_tokens), jnp.int32, trainer.row_matrix),
+        completion_mask=rows_array((rows, new_tokens), jnp.bool_, trainer.row_matrix),
+        advantages=rows_array((rows,), jnp.float32, trainer.rows),
+    )
+    state = TrainState(params, opt_state, jax.ShapeDtypeStruct((), jnp.int32))
+    reference = params if trainer.update_config.beta > 0 else None
+
+    def update_scratch(update_config: UpdateConfig) -> int:
+        with rules_context(mesh):
+            program = trainer.update_program(update_config)
+            compiled = program.lower(state, batch, reference).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    per_step = c.algorithm.num_minibatches
+    micro_rows = rows // (per_step * c.algorithm.grad_accumulation)
+    shard_rows = mesh.shape["data"] * mesh.shape["fsdp"]
+    dtype_bytes = np.dtype(jnp.dtype(c.model.dtype)).itemsize
+    local_prompts, local_rows = prompts // shard_rows, rows // shard_rows
+    kv_heads = mc.num_kv_heads
+    if kv_heads % mesh.shape["tensor"] == 0:
+        kv_heads //= mesh.shape["tensor"]
+    kv_cache = (
+        2 * mc.num_layers * kv_heads * mc.head_dim * dtype_bytes
+        * (local_prompts * length + local_rows * new_tokens)
+    )  # fmt: skip
+    plan = MemoryPlan(
+        mesh=dict(mesh.shape),
+        parameters=shard_bytes(params),
+        optimizer=shard_bytes(opt_state),
+        reference=shard_bytes(params) if uses_reference else 0,
+        kv_cache=kv_cache,
+        rollout_scratch=rollout_memory.temp_size_in_bytes,
+        update_scratch=update_scratch(trainer.update_config),
+        batch=shard_bytes(batch),
+        micro_batch_rows=micro_rows,
+    )
+    plan.fits[micro_rows] = plan.update_peak
+    for candidate in micro_batch_candidates:
+        per_minibatch = rows // per_step
+        if candidate == micro_rows or per_minibatch % candidate or candidate % shard_rows:
+            continue
+        config = dataclasses.replace(
+            trainer.update_config, grad_accumulation=per_minibatch // candidate
+        )
+        scratch = update_scratch(config)
+        plan.fits[candidate] = plan.resident + plan.batch + scratch
+    return plan
+
+
+def micro_batch_candidates(rows_per_minibatch: int) -> list[int]:
+    """Powers of two that divide the minibatch, and the minibatch itself."""
+    candidates = {rows_per_minibatch}
+    size = 1
+    while size < rows_per_minibatch:
+        if rows_per_minibatch % size == 0:
+            candidates.add(size)
+        size *= 2
+    return sorted(candidates)
+
+
+def device_budget(config) -> int | None:
+    """mesh.memory_budget_gib, else the device's own limit (GPU, TPU); None on CPU."""
+    if config.mesh.memory_budget_gib is not None:
+        return int(config.mesh.memory_budget_gib * GIB)
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("bytes_limit")
+
+
+def check_memory(trainer) -> MemoryPlan | None:
+    """Fails fast, before step 1, when the planned peak exceeds the budget."""
+    budget = device_budget(trainer.config)
+    if budget is None:
+        return None
+    c = trainer.config
+    rows = c.rollout.prompts_per_step * c.rollout.num_generations // c.algorithm.num_minibatches
+    plan = plan_memory(trainer, micro_batch_candidates(rows))
+    if plan.peak > budget:
+        raise OutOfMemoryPlan(
+            "this config would run out of device memory:\n"
+            + plan.report(budget)
+            + "\nSet algorithm.grad_accumulation to reach the micro-batch above, or shard "
+            "further (mesh.fsdp, mesh.tensor)."
+        )
+    return plan
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import argparse
+
+    from jgrpo.config import DEMO_OVERRIDES
+    from jgrpo.train import Trainer, parse_args
+
+    parser = argparse.ArgumentParser(
+        prog="python -m jgrpo.plan",
+        description="Per-device memory of a training config's rollout and update, from the "
+        "programs compiled for its mesh.",
+    )
+    parser.add_argument("--budget-gib", type=float, default=None, help="memory per device")
+    args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    path, overrides = parse_args(rest)
+    if path is None:
+        overrides = [*DEMO_OVERRIDES, *overrides]
+    try:
+        config = load_config(path, overrides)
+        trainer = Trainer(config)
+    except ConfigError as error:
+        print(f"config error: {error}", file=sys.stderr)
+        return 2
+    c = config
+    rows = c.rollout.prompts_per_step * c.rollout.num_generations // c.algorithm.num_minibatches
+    budget = None if args.budget_gib is None else int(args.budget_gib * GIB)
+    plan = plan_memory(trainer, micro_batch_candidates(rows) if budget else ())
+    print(plan.report(budget))
+    return 0 if budget is None or plan.peak <= budget else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""Memory planning from the compiled programs, and the start-up check of the training loop."""
+
+import jax
+import pytest
+
+from jgrpo import plan as plan_module
+from jgrpo.config import load_config
+from jgrpo.plan import OutOfMemoryPlan, micro_batch_candidates, plan_memory
+from jgrpo.train import Trainer, train
+
+SMALL = [
+    "task.max_operand=4",
+    "rollout.prompts_per_step=8",
+    "rollout.num_generations=4",
+    "rollout.max_new_tokens=4",
+    "rollout.max_prompt_length=8",
+    "algorithm.beta=0.04",
+    "train.steps=1",
+    "train.eval_every=0",
+    "train.export=false",
+    "train.tensorboard=false",
+    "train.progress=false",
+    "task.reward_workers=0",
+]
+
+
+def test_plan_sizes_each_part_per_device():
+    trainer = Trainer(load_config(None, [*SMALL, "rollout.num_generations=2", "mesh.fsdp=8"]))
+    plan = plan_memory(trainer, micro_batch_candidates(16))
+    params = trainer.model.params()
+    total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    # Every parameter of this model has an embed dimension (64) and fsdp = 8 splits it.
+    assert plan.parameters == total // 8
+    assert plan.reference == plan.parameters  # beta > 0: the frozen copy, sharded alike
+    assert 2 * total // 8 <= plan.optimizer <= 2 * total // 8 + 64  # Adam's mu, nu; counts
+    c = trainer.model_config
+    per_device_prompts, per_device_rows = 8 // 8, 16 // 8
+    assert plan.kv_cache == 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4 * (
+        per_device_prompts * 8 + per_device_rows * 4
+    )
+    assert plan.rollout_scratch >= plan.kv_cache  # the cache lives in the rollout's scratch
+    # Smaller micro-batches (more accumulation) need less update scratch.
+    peaks = [plan.fits[rows] for rows in sorted(plan.fits)]
+    # Candidates split evenly over the 8 devices: micro-batches of 8 and 16 rows.
+    assert sorted(plan.fits) == [8, 16] and plan.micro_batch_rows == 16
+    assert peaks[0] < peaks[1]
+    budget = (peaks[0] + peaks[1]) // 2
+    assert plan.largest_fitting(budget) == 8
+    report = plan.report(budget)
+    assert "largest micro-batch that fits: 8 rows" in report and "fsdp=8" in report
+
+
+FEW = ["rollout.prompts_per_step=2", "rollout.num_generations=2", "mesh.devices=1"]
+
+
+def test_training_stops_before_step_one_when_the_plan_does_not_fit(tmp_path):
+    config = load_config(
+        None, [*SMALL, *FEW, "mesh.memory_budget_gib=1e-4", f"train.run_dir={tmp_path}"]
+    )
+    with pytest.raises(OutOfMemoryPlan, match="would run out of device memory") as error:
+        train(config)
+    assert "peak" in str(error.value) and "algorithm.grad_accumulation" in str(error.value)
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_plan_command_line(capsys):
+    code = plan_module.main([*SMALL, *FEW])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "memory per device, mesh data=1 x fsdp=1 x tensor=1" in out
+    assert float(out.split("peak")[1].split()[0]) > 0
