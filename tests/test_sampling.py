@@ -208,24 +208,26 @@ def test_new_prompts_in_the_same_bucket_do_not_recompile(hf_checkpoint, count_co
     assert count_compiles() == before
 
 
+def compiled_prefill(model, num_generations):
+    """The rollout of two 60-token prompts (a 64 bucket) with one new token, compiled."""
+    ids, mask = pad_prompts([list(range(3, 63))] * 2)
+    lowered = rollout.lower(
+        model.params(),
+        jnp.asarray(ids),
+        jnp.asarray(mask),
+        jax.random.key(0),
+        model_config=model.config,
+        num_generations=num_generations,
+        sampling=SamplingConfig(max_new_tokens=1),
+    )
+    return lowered.compile()
+
+
 def test_prefill_runs_once_per_prompt_not_per_generation(hf_checkpoint):
     """Compiled FLOPs barely grow with G: the long prefill is not repeated G times."""
     model = from_pretrained(hf_checkpoint("llama3")[0])
-    ids, mask = pad_prompts([list(range(3, 63))] * 2)  # two 60-token prompts in a 64 bucket
-
-    def flops(num_generations):
-        lowered = rollout.lower(
-            model.params(),
-            jnp.asarray(ids),
-            jnp.asarray(mask),
-            jax.random.key(0),
-            model_config=model.config,
-            num_generations=num_generations,
-            sampling=SamplingConfig(max_new_tokens=1),
-        )
-        return lowered.compile().cost_analysis()["flops"]
-
-    ratio = flops(16) / flops(1)
+    flops = {g: compiled_prefill(model, g).cost_analysis()["flops"] for g in (1, 16)}
+    ratio = flops[16] / flops[1]
     # One decode step per row costs about 1/60 of a prefill: 16 rows add ~15/60. Prefilling
     # each generation would multiply the total by ~16.
     assert ratio < 1.6, ratio
@@ -236,23 +238,10 @@ def test_prompt_cache_is_shared_by_the_group_not_copied(hf_checkpoint):
     G = 1 to G = 16: the G rows read their prompt's cache, nothing copies it to them."""
     model = from_pretrained(hf_checkpoint("llama3")[0])
     c = model.config
-    ids, mask = pad_prompts([list(range(3, 63))] * 2)  # P = 2 prompts, 64 slots
-
-    def scratch_bytes(num_generations):
-        lowered = rollout.lower(
-            model.params(),
-            jnp.asarray(ids),
-            jnp.asarray(mask),
-            jax.random.key(0),
-            model_config=c,
-            num_generations=num_generations,
-            sampling=SamplingConfig(max_new_tokens=1),
-        )
-        return lowered.compile().memory_analysis().temp_size_in_bytes
-
+    scratch = {g: compiled_prefill(model, g).memory_analysis().temp_size_in_bytes for g in (1, 16)}
     prompt_cache = 2 * c.num_layers * 2 * c.num_kv_heads * 64 * c.head_dim * 4  # k+v, f32
     # Copying it to each row would add 15 of them.
-    assert scratch_bytes(16) - scratch_bytes(1) < prompt_cache
+    assert scratch[16] - scratch[1] < prompt_cache
 
 
 @pytest.mark.parametrize(
