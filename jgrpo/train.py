@@ -86,19 +86,33 @@ class TrainResult:
 # --- Setup -------------------------------------------------------------------------------
 
 
-def load_policy(config: Config, task: tasks.Task):
-    """The policy model and its tokenizer: an HF checkpoint, or a preset initialised at random."""
+def load_policy(config: Config, task: tasks.Task, mesh=None):
+    """The policy model and its tokenizer: an HF checkpoint, or a preset initialised at random.
+
+    With a mesh, every parameter goes straight to its shards (by `jgrpo.sharding`'s rules):
+    checkpoint tensors from host memory, a preset's initial values from a jitted init.
+    """
+    from flax import nnx
+
     import models
 
     dtype = jnp.dtype(config.model.dtype)
+
+    def shardings_for(model_config):
+        if mesh is None:
+            return None
+        shapes = jax.eval_shape(
+            lambda: models.Transformer(model_config, rngs=nnx.Rngs(0), param_dtype=dtype).params()
+        )
+        return tree_shardings(shapes, models.transformer.param_axes(model_config), mesh)
+
     if config.model.path is not None:
         from transformers import AutoTokenizer
 
-        model = models.from_pretrained(config.model.path, dtype=dtype)
+        shardings = shardings_for(models.hf.read_config(config.model.path))
+        model = models.from_pretrained(config.model.path, dtype=dtype, shardings=shardings)
         tokenizer = AutoTokenizer.from_pretrained(models.hf.resolve(config.model.path))
     else:
-        from flax import nnx
-
         from jgrpo.tasks.arithmetic import text_tokenizer
 
         # A model from scratch uses the task's tokenizer, else one token per character.
@@ -109,8 +123,15 @@ def load_policy(config: Config, task: tasks.Task):
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
         )
-        model = models.Transformer(
-            model_config, rngs=nnx.Rngs(config.train.seed), param_dtype=dtype
+
+        def initial():
+            seed = config.train.seed
+            return models.Transformer(model_config, rngs=nnx.Rngs(seed), param_dtype=dtype)
+
+        # Shapes first, then the values computed in place by one jitted program.
+        model = nnx.eval_shape(initial)
+        model.load_params(
+            jax.jit(lambda: initial().params(), out_shardings=shardings_for(model_config))()
         )
     if config.model.remat:
         model.config = model.config.replace(remat=True)
@@ -306,7 +327,8 @@ class Trainer:
     def __init__(self, config: Config, task: tasks.Task | None = None):
         self.config = config
         self.task = task if task is not None else build_task(config)
-        self.model, self.tokenizer = load_policy(config, self.task)
+        self.mesh = self.make_mesh()
+        self.model, self.tokenizer = load_policy(config, self.task, self.mesh)
         self.model_config = self.model.config
         self.check_prompts()
         self.group_size = config.rollout.num_generations
@@ -338,17 +360,14 @@ class Trainer:
 
     # --- placement on the mesh ---------------------------------------------------------------
 
-    def setup_mesh(self) -> None:
-        """The device mesh, the shardings of every array the loop keeps, and the jitted update
-        with explicit in/out shardings (the state donated)."""
-        import models
-
+    def make_mesh(self):
+        """The device mesh of the config's mesh.* keys, checked against the batch."""
         m = self.config.mesh
         devices = jax.devices() if m.devices == -1 else jax.devices()[: m.devices]
         if m.devices > len(devices):
             raise ConfigError(f"mesh.devices={m.devices} but only {len(devices)} exist.")
-        self.mesh = make_mesh(m.shape, devices)
-        split = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+        mesh = make_mesh(m.shape, devices)
+        split = mesh.shape["data"] * mesh.shape["fsdp"]
         prompts = self.config.rollout.prompts_per_step
         if prompts % split:
             raise ConfigError(
@@ -356,6 +375,13 @@ class Trainer:
                 f"= {split} (each device samples whole groups of its prompts); change one of "
                 "them, or use fewer devices with mesh.devices."
             )
+        return mesh
+
+    def setup_mesh(self) -> None:
+        """The shardings of every array the loop keeps, and the jitted update with explicit
+        in/out shardings (the state donated)."""
+        import models
+
         self.rows, self.row_matrix = row_shardings(self.mesh)  # [B] and [B, T] arrays
         params = self.model.params()
         self.param_shardings = tree_shardings(
@@ -416,8 +442,8 @@ class Trainer:
         return jitted
 
     def initial_params(self) -> dict:
-        """The policy's parameters placed in their shards."""
-        return jax.device_put(self.model.params(), self.param_shardings)
+        """The policy's parameters, in their shards (where `load_policy` put them)."""
+        return jax.device_put(self.model.params(), self.param_shardings)  # a no-op check
 
     def initial_state(self, params: dict) -> TrainState:
         """Step 0 with the optimizer state created directly in its shards."""

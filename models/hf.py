@@ -13,6 +13,7 @@ next, so host memory peaks near one copy of the model plus its largest parameter
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pathlib
@@ -168,17 +169,27 @@ def _check_names(expected: set[str], available: set[str], directory, tied: bool)
         )
 
 
-def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32) -> Transformer:
-    """A ready Transformer from an HF directory (or hub name) with safetensors weights.
-
-    Every checkpoint tensor must be used and every parameter filled; shapes are checked.
-    Parameters are stored in `dtype` (f32 or bf16).
-    """
+def read_config(path: str | os.PathLike) -> ModelConfig:
+    """The ModelConfig of an HF directory (or hub name), from its config.json alone."""
     directory = resolve(path)
     config_file = directory / "config.json"
     if not config_file.exists():
         raise CheckpointError(f"{directory} has no config.json.")
-    config = ModelConfig.from_hf_config(json.loads(config_file.read_text()))
+    return ModelConfig.from_hf_config(json.loads(config_file.read_text()))
+
+
+def from_pretrained(
+    path: str | os.PathLike, *, dtype=jnp.float32, shardings: dict | None = None
+) -> Transformer:
+    """A ready Transformer from an HF directory (or hub name) with safetensors weights.
+
+    Every checkpoint tensor must be used and every parameter filled; shapes are checked.
+    Parameters are stored in `dtype` (f32 or bf16). `shardings`, a pytree shaped like
+    `Transformer.params()` of `jax.sharding.Sharding`s, sends each tensor from host memory
+    straight to its shards (no device ever holds a whole copy); default: the default device.
+    """
+    directory = resolve(path)
+    config = read_config(directory)
     files = _tensor_files(directory)
     shapes = _param_shapes(config)
     expected = {name for p in shapes for name in _hf_names(p, config)}
@@ -203,7 +214,10 @@ def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32) -> Transforme
                 )
             (buffer[i] if stacked else buffer)[...] = _to_ours(tensor, path, shape)
             del tensor
-        _state_leaf(state, path).set_value(jax.device_put(buffer))
+        sharding = None
+        if shardings is not None:
+            sharding = functools.reduce(lambda node, key: node[key], path.split("."), shardings)
+        _state_leaf(state, path).set_value(jax.device_put(buffer, sharding))
         del buffer
     model = nnx.merge(graphdef, state)
     model.source_dir = str(directory)

@@ -275,8 +275,46 @@ def test_training_on_a_mesh_matches_one_device_and_keeps_the_placement(tmp_path)
     ref = trainer.initial_params()
     jax.tree.map(_assert_placed, ref, expected)
 
+    # The one-device run resumes on the 4 x 2 mesh: its checkpoint restores into the shards.
+    resumed = train(
+        load_config(
+            None,
+            [
+                *common,
+                "train.steps=3",
+                "mesh.fsdp=4",
+                "mesh.tensor=2",
+                f"train.run_dir={tmp_path / 'one'}",
+            ],
+        )
+    )
+    assert resumed.steps_done == 3 and len(read_metrics_of(tmp_path / "one")) == 3
+    jax.tree.map(_assert_placed, resumed.state.params, expected)
+
 
 def read_metrics_of(run_dir):
     from jgrpo.metrics import read_metrics
 
     return read_metrics(run_dir)
+
+
+def test_a_checkpoint_loads_straight_into_its_shards(hf_checkpoint):
+    """from_pretrained with shardings: every parameter arrives split as the rules say, with
+    the values of an ordinary load."""
+    from models.hf import from_pretrained, read_config
+
+    directory = hf_checkpoint("qwen3")[0]
+    mesh = make_mesh((2, 2, 2))
+    config = read_config(directory)
+    plain = from_pretrained(directory).params()
+    shardings = tree_shardings(plain, models.transformer.param_axes(config), mesh)
+    sharded = from_pretrained(directory, shardings=shardings).params()
+    jax.tree.map(_assert_placed, sharded, shardings)
+    jax.tree.map(np.testing.assert_array_equal, sharded, plain)
+    q = sharded["layers"]["q_kernel"]  # [L, E, H, D] split over fsdp (E) and tensor (H)
+    assert q.sharding.shard_shape(q.shape) == (
+        q.shape[0],
+        q.shape[1] // 2,
+        q.shape[2] // 2,
+        q.shape[3],
+    )
