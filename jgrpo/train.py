@@ -396,10 +396,13 @@ class Trainer:
             step=replicated(self.mesh),
         )
         self.update = self.update_program(self.update_config)
-        self._rollouts: dict[tuple[SamplingConfig, int], Callable] = {}
 
     def update_program(self, update_config: UpdateConfig) -> Callable:
         """`jgrpo.train_step` jitted with explicit in/out shardings, the state donated."""
+        key = ("update", self.mesh, self.model_config, self.config.model.dtype, update_config)
+        return _shared_program((*key, self.optimizer), lambda: self._jit_update(update_config))
+
+    def _jit_update(self, update_config: UpdateConfig) -> Callable:
         batch_shardings = Batch(self.row_matrix, self.row_matrix, self.row_matrix, self.rows)
         uses_ref = update_config.beta > 0
         return jax.jit(
@@ -420,26 +423,27 @@ class Trainer:
 
     def rollout_program(self, sampling: SamplingConfig, num_generations: int) -> Callable:
         """`jgrpo.sampling.rollout` jitted with the prompts split over the batch axes."""
-        jitted = self._rollouts.get((sampling, num_generations))
-        if jitted is None:
-            rows = Rollout(*(self.row_matrix,) * 3, *(self.rows,) * 3)
-            jitted = jax.jit(
-                functools.partial(
-                    rollout.__wrapped__,
-                    model_config=self.model_config,
-                    num_generations=num_generations,
-                    sampling=sampling,
-                ),
-                in_shardings=(
-                    self.param_shardings,
-                    self.row_matrix,
-                    self.row_matrix,
-                    replicated(self.mesh),
-                ),
-                out_shardings=rows,
-            )
-            self._rollouts[(sampling, num_generations)] = jitted
-        return jitted
+        key = ("rollout", self.mesh, self.model_config, self.config.model.dtype)
+        return _shared_program(
+            (*key, sampling, num_generations), lambda: self._jit_rollout(sampling, num_generations)
+        )
+
+    def _jit_rollout(self, sampling: SamplingConfig, num_generations: int) -> Callable:
+        return jax.jit(
+            functools.partial(
+                rollout.__wrapped__,
+                model_config=self.model_config,
+                num_generations=num_generations,
+                sampling=sampling,
+            ),
+            in_shardings=(
+                self.param_shardings,
+                self.row_matrix,
+                self.row_matrix,
+                replicated(self.mesh),
+            ),
+            out_shardings=Rollout(*(self.row_matrix,) * 3, *(self.rows,) * 3),
+        )
 
     def initial_params(self) -> dict:
         """The policy's parameters, in their shards (where `load_policy` put them)."""
@@ -707,6 +711,18 @@ class Trainer:
         }
         spread = max(1, len(samples) // max(c.train.log_samples, 1))  # across the eval set
         return metrics, samples[::spread][: c.train.log_samples]
+
+
+# Jitted programs shared by every Trainer with the same mesh and settings (their shardings
+# follow from these), so a second run in one process, in a notebook or the tests, reuses
+# the compiled update and rollouts.
+_PROGRAMS: dict[tuple, Callable] = {}
+
+
+def _shared_program(key: tuple, build: Callable[[], Callable]) -> Callable:
+    if key not in _PROGRAMS:
+        _PROGRAMS[key] = build()
+    return _PROGRAMS[key]
 
 
 @jax.jit(static_argnames=("model_config", "temperature"))
