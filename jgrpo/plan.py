@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jgrpo.config import ConfigError, load_config
-from jgrpo.sharding import replicated
+from jgrpo.sharding import replicated, rules_context
 from jgrpo.update import Batch, TrainState, UpdateConfig
 
 GIB = 1024**3
@@ -125,8 +125,6 @@ def _abstract(tree, shardings):
 
 def plan_memory(trainer, micro_batch_candidates: Sequence[int] = ()) -> MemoryPlan:
     """Compiles the trainer's rollout and update for its mesh and sizes every part."""
-    from jgrpo.sharding import rules_context
-
     c, mc, mesh = trainer.config, trainer.model_config, trainer.mesh
     params = _abstract(jax.eval_shape(trainer.model.params), trainer.param_shardings)
     opt_state = jax.eval_shape(trainer.optimizer.init, params)
@@ -159,8 +157,8 @@ def plan_memory(trainer, micro_batch_candidates: Sequence[int] = ()) -> MemoryPl
             compiled = program.lower(state, batch, reference).compile()
         return compiled.memory_analysis().temp_size_in_bytes
 
-    per_step = c.algorithm.num_minibatches
-    micro_rows = rows // (per_step * c.algorithm.grad_accumulation)
+    per_minibatch = rows_per_minibatch(c)
+    micro_rows = per_minibatch // c.algorithm.grad_accumulation
     shard_rows = mesh.shape["data"] * mesh.shape["fsdp"]
     dtype_bytes = np.dtype(jnp.dtype(c.model.dtype)).itemsize
     local_prompts, local_rows = prompts // shard_rows, rows // shard_rows
@@ -184,7 +182,6 @@ def plan_memory(trainer, micro_batch_candidates: Sequence[int] = ()) -> MemoryPl
     )
     plan.fits[micro_rows] = plan.update_peak
     for candidate in micro_batch_candidates:
-        per_minibatch = rows // per_step
         if candidate == micro_rows or per_minibatch % candidate or candidate % shard_rows:
             continue
         config = dataclasses.replace(
@@ -193,6 +190,11 @@ def plan_memory(trainer, micro_batch_candidates: Sequence[int] = ()) -> MemoryPl
         scratch = update_scratch(config)
         plan.fits[candidate] = plan.resident + plan.batch + scratch
     return plan
+
+
+def rows_per_minibatch(config) -> int:
+    c = config
+    return c.rollout.prompts_per_step * c.rollout.num_generations // c.algorithm.num_minibatches
 
 
 def micro_batch_candidates(rows_per_minibatch: int) -> list[int]:
@@ -219,9 +221,7 @@ def check_memory(trainer) -> MemoryPlan | None:
     budget = device_budget(trainer.config)
     if budget is None:
         return None
-    c = trainer.config
-    rows = c.rollout.prompts_per_step * c.rollout.num_generations // c.algorithm.num_minibatches
-    plan = plan_memory(trainer, micro_batch_candidates(rows))
+    plan = plan_memory(trainer, micro_batch_candidates(rows_per_minibatch(trainer.config)))
     if plan.peak > budget:
         raise OutOfMemoryPlan(
             "this config would run out of device memory:\n"
@@ -254,10 +254,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as error:
         print(f"config error: {error}", file=sys.stderr)
         return 2
-    c = config
-    rows = c.rollout.prompts_per_step * c.rollout.num_generations // c.algorithm.num_minibatches
     budget = None if args.budget_gib is None else int(args.budget_gib * GIB)
-    plan = plan_memory(trainer, micro_batch_candidates(rows) if budget else ())
+    candidates = micro_batch_candidates(rows_per_minibatch(config)) if budget else ()
+    plan = plan_memory(trainer, candidates)
     print(plan.report(budget))
     return 0 if budget is None or plan.peak <= budget else 1
 

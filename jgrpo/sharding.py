@@ -17,6 +17,7 @@ that a mesh axis does not divide (say 2 kv heads over tensor = 4) stays whole on
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
 
@@ -153,31 +154,19 @@ def optimizer_state_shardings(
 ):
     """Shardings of an optax state: the parameter-shaped parts (Adam's moments) as the
     parameters, everything else (step counts) replicated."""
-    shardings = optax.tree_map_params(
+    return optax.tree_map_params(
         optimizer,
         lambda _, sharding: sharding,
         abstract_state,
         param_shardings,
         transform_non_params=lambda _: replicated(mesh),
     )
-    return shardings
 
 
-def rules_context(mesh: Mesh, rules=LOGICAL_RULES):
+def rules_context(mesh: Mesh, rules=LOGICAL_RULES) -> contextlib.ExitStack:
     """The context in which the models' `constrain` calls take effect: tracing a function
     under it places its intermediate activations by the same rules."""
-    return _Both(jax.set_mesh(mesh), nn.logical_axis_rules(rules))
-
-
-class _Both:
-    def __init__(self, *contexts):
-        self.contexts = contexts
-
-    def __enter__(self):
-        for context in self.contexts:
-            context.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        for context in reversed(self.contexts):
-            context.__exit__(*exc)
+    stack = contextlib.ExitStack()
+    stack.enter_context(jax.set_mesh(mesh))
+    stack.enter_context(nn.logical_axis_rules(rules))
+    return stack

@@ -354,7 +354,7 @@ class Trainer:
             config, beta_in_loss=0.0 if algo.kl_in_reward else algo.beta
         )
         self.optimizer = optimizer_of(config)
-        self.setup_mesh()
+        self.setup_shardings()
         workers, timeout = config.task.reward_workers, config.task.reward_timeout_s
         self.reward_pool = VerifierPool(workers, timeout) if workers else None
 
@@ -377,7 +377,7 @@ class Trainer:
             )
         return mesh
 
-    def setup_mesh(self) -> None:
+    def setup_shardings(self) -> None:
         """The shardings of every array the loop keeps, and the jitted update with explicit
         in/out shardings (the state donated)."""
         import models

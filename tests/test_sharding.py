@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec
 
 import models
 from jgrpo.losses import grpo_loss
+from jgrpo.metrics import read_metrics
 from jgrpo.sampling import SamplingConfig, rollout
 from jgrpo.sharding import (
     MeshError,
@@ -23,7 +24,14 @@ from jgrpo.sharding import (
     rules_context,
     tree_shardings,
 )
-from jgrpo.update import Batch, completion_logprobs, init_state, make_optimizer, train_step
+from jgrpo.update import (
+    Batch,
+    UpdateConfig,
+    completion_logprobs,
+    init_state,
+    make_optimizer,
+    train_step,
+)
 
 # Dimensions that 8 divides where the rules split them (kv heads: 4, so tensor = 8 keeps
 # them whole on each device, the case the rules must handle).
@@ -33,6 +41,7 @@ CONFIG = models.preset("tiny").replace(
 MESHES = [(8, 1, 1), (1, 8, 1), (1, 1, 8), (2, 2, 2), (1, 4, 2)]
 PROMPTS, GROUP, PROMPT_LENGTH, NEW_TOKENS = 8, 2, 8, 8
 SGD = optax.sgd(0.5)  # parameter differences stay proportional to gradient differences
+UPDATE = UpdateConfig(beta=0.0)
 # f32 sums split over devices add in another order: measured differences are ~1e-7.
 TOLERANCE = dict(atol=2e-6, rtol=2e-5)
 
@@ -113,9 +122,6 @@ def reference():
     result["stepped"], result["step_loss"] = state.params, metrics["loss"]
     result["greedy"] = greedy(params, *map(jnp.asarray, result["prompts"]))
     return jax.tree.map(np.asarray, result)
-
-
-UPDATE = __import__("jgrpo.update", fromlist=["UpdateConfig"]).UpdateConfig(beta=0.0)
 
 
 @jax.jit
@@ -251,7 +257,7 @@ def test_training_on_a_mesh_matches_one_device_and_keeps_the_placement(tmp_path)
         runs[name] = train(config)
     one, sharded = runs["one"].state, runs["mesh"].state
 
-    lines = {name: read_metrics_of(tmp_path / name) for name in runs}
+    lines = {name: read_metrics(tmp_path / name) for name in runs}
     for a, b in zip(lines["one"], lines["mesh"], strict=True):
         assert a["reward/mean"] == b["reward/mean"]  # the same completions were sampled
         np.testing.assert_allclose(a["loss"], b["loss"], atol=1e-6)
@@ -288,14 +294,8 @@ def test_training_on_a_mesh_matches_one_device_and_keeps_the_placement(tmp_path)
             ],
         )
     )
-    assert resumed.steps_done == 3 and len(read_metrics_of(tmp_path / "one")) == 3
+    assert resumed.steps_done == 3 and len(read_metrics(tmp_path / "one")) == 3
     jax.tree.map(_assert_placed, resumed.state.params, expected)
-
-
-def read_metrics_of(run_dir):
-    from jgrpo.metrics import read_metrics
-
-    return read_metrics(run_dir)
 
 
 def test_a_checkpoint_loads_straight_into_its_shards(hf_checkpoint):
