@@ -26,6 +26,7 @@ from models.transformer import (
     _MASKED,
     attention_inputs,
     constrain,
+    embed_tokens,
     finish_layer,
     forward,
     rms_norm,
@@ -96,7 +97,7 @@ def decode_step(
     completion slot `slot` written. Rows attend to their prompt and completion slots <= slot."""
     completion_mask = jnp.arange(cache.completion_k[0].shape[2]) <= slot  # [N]
     cos, sin = rope_tables(config, positions[:, None])  # [B, 1, D/2]
-    x = jnp.take(params["embed"], tokens[:, None], axis=0)  # [B, 1, E]
+    x = embed_tokens(params["embed"], tokens[:, None])  # [B, 1, E]
     new_k, new_v = [], []
     for i, layer_params in enumerate(layers):
         q, k, v = attention_inputs(config, layer_params, x, cos, sin)  # k, v [B, K, 1, D]

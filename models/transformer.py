@@ -60,6 +60,18 @@ def constrain(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, nn.logical_to_mesh_axes(axes, rules))
 
 
+def embed_tokens(table: jax.Array, ids: jax.Array) -> jax.Array:  # [V, E], [B, T] -> [B, T, E]
+    """Embedding rows of `ids`, split by batch rows on a mesh.
+
+    The table's `embed` shards are gathered first, as FSDP gathers every weight where it is
+    used: a lookup straight from an embed-split table gives rows split along `embed`, which
+    XLA cannot re-split by batch without replicating them.
+    """
+    table = constrain(table, ("vocab", None))
+    rows = jnp.take(table, ids, axis=0)
+    return constrain(rows, ("batch",) + (None,) * (ids.ndim - 1) + ("embed",))
+
+
 # --- parameters ----------------------------------------------------------------------------
 
 
@@ -240,8 +252,7 @@ def forward(
     mask = causal[None] & key_mask[:, None, :].astype(bool)  # [B, T, S]
     cos, sin = rope_tables(config, positions)  # [B, T, D/2] each
 
-    x = jnp.take(params["embed"], input_ids, axis=0)  # [B, T, E]
-    x = constrain(x, ("batch", "length", "embed"))
+    x = embed_tokens(params["embed"], input_ids)  # [B, T, E]
 
     if cache is None:
 
