@@ -21,6 +21,7 @@ import yaml
 
 from jgrpo._checks import check_choice
 from jgrpo.advantages import SCALES, STD_DDOFS
+from jgrpo.distributed import INITIALIZE_CHOICES
 from jgrpo.losses import KL_ESTIMATORS, LOSS_TYPES, RATIO_LEVELS
 
 
@@ -263,6 +264,33 @@ class MeshSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class DistributedSection:
+    initialize: str = option(
+        "auto",
+        "start jax.distributed: auto (when set below or a cluster is detected), always, never",
+    )
+    coordinator_address: str | None = option(
+        None, "host:port of process 0 (None: from the cluster, or JAX_COORDINATOR_ADDRESS)"
+    )
+    num_processes: int | None = option(None, "processes in the run (None: from the cluster)")
+    process_id: int | None = option(None, "this process's index, 0-based (None: from the cluster)")
+
+    def check(self):
+        check_choice("distributed.initialize", self.initialize, INITIALIZE_CHOICES, ConfigError)
+        if self.num_processes is not None and self.num_processes < 1:
+            raise ConfigError(
+                f"distributed.num_processes must be >= 1 or null, got {self.num_processes}."
+            )
+        if self.process_id is not None:
+            limit = self.num_processes
+            if self.process_id < 0 or (limit is not None and self.process_id >= limit):
+                raise ConfigError(
+                    f"distributed.process_id must be in [0, distributed.num_processes) = "
+                    f"[0, {limit}), got {self.process_id}."
+                )
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     model: ModelSection = dataclasses.field(default_factory=ModelSection)
     task: TaskSection = dataclasses.field(default_factory=TaskSection)
@@ -271,6 +299,7 @@ class Config:
     optim: OptimSection = dataclasses.field(default_factory=OptimSection)
     train: TrainSection = dataclasses.field(default_factory=TrainSection)
     mesh: MeshSection = dataclasses.field(default_factory=MeshSection)
+    distributed: DistributedSection = dataclasses.field(default_factory=DistributedSection)
 
     def check(self) -> Config:
         for section in dataclasses.fields(self):
@@ -294,6 +323,7 @@ _SECTIONS = {
     "optim": OptimSection,
     "train": TrainSection,
     "mesh": MeshSection,
+    "distributed": DistributedSection,
 }
 
 

@@ -212,7 +212,7 @@ def device_budget(config) -> int | None:
     """mesh.memory_budget_gib, else the device's own limit (GPU, TPU); None on CPU."""
     if config.mesh.memory_budget_gib is not None:
         return int(config.mesh.memory_budget_gib * GIB)
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}
     return stats.get("bytes_limit")
 
 

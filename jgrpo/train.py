@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jgrpo import tasks
+from jgrpo import distributed, tasks
 from jgrpo.advantages import group_advantages
 from jgrpo.checkpoint import Checkpointer
 from jgrpo.config import (
@@ -261,7 +261,8 @@ def as_completion(prompt: Any, text: str) -> Any:
 
 @dataclasses.dataclass
 class Groups:
-    """Rows of sampled groups with their rewards (host arrays, P * G rows, prompt-major)."""
+    """Rows of sampled groups with their rewards: host arrays of this process's rows (all
+    P * G with one process), prompt-major."""
 
     prompt_ids: np.ndarray  # int32[R, L]
     prompt_mask: np.ndarray  # int32[R, L]
@@ -363,6 +364,11 @@ class Trainer:
     def make_mesh(self):
         """The device mesh of the config's mesh.* keys, checked against the batch."""
         m = self.config.mesh
+        if m.devices != -1 and jax.process_count() > 1:
+            raise ConfigError(
+                f"mesh.devices={m.devices} with {jax.process_count()} processes: a multi-process "
+                "run uses every device of every process; leave mesh.devices at -1."
+            )
         devices = jax.devices() if m.devices == -1 else jax.devices()[: m.devices]
         if m.devices > len(devices):
             raise ConfigError(f"mesh.devices={m.devices} but only {len(devices)} exist.")
@@ -396,6 +402,7 @@ class Trainer:
             step=replicated(self.mesh),
         )
         self.update = self.update_program(self.update_config)
+        self.block = distributed.RowBlock(self.rows)  # the rows this process handles
 
     def update_program(self, update_config: UpdateConfig) -> Callable:
         """`jgrpo.train_step` jitted with explicit in/out shardings, the state donated."""
@@ -457,11 +464,15 @@ class Trainer:
         )(params)
 
     def sample(self, params, prompt_ids, prompt_mask, key, sampling, num_generations) -> Rollout:
-        """G completions of each prompt, sampled on the mesh."""
+        """G completions of each prompt, sampled on the mesh: this process's prompts in, its
+        rows of the result out (host arrays)."""
+        prompt_ids = self.block.to_global(prompt_ids, self.row_matrix)
+        prompt_mask = self.block.to_global(prompt_mask, self.row_matrix)
         with rules_context(self.mesh):
-            return self.rollout_program(sampling, num_generations)(
+            result = self.rollout_program(sampling, num_generations)(
                 params, prompt_ids, prompt_mask, key
             )
+        return jax.tree.map(self.block.local, result)
 
     def check_prompts(self) -> None:
         """Prompts longer than rollout.max_prompt_length: an error, or dropped (task.on_error)."""
@@ -482,14 +493,16 @@ class Trainer:
 
     # Stage 2 and 3 for one batch of prompts.
     def sample_and_score(self, params, ref_params, examples, key) -> tuple[Groups, dict]:
+        """Rollout and rewards of this process's share of `examples` (all of them with one
+        process); the Groups hold only those rows."""
         c, g = self.config, self.group_size
         timings = {}
         start = time.perf_counter()
+        examples = self.block.take(examples)
         prompt_ids, prompt_mask = encode_examples(
             self.tokenizer, examples, c.rollout.max_prompt_length
         )
-        result = self.sample(params, prompt_ids, prompt_mask, key, self.sampling, g)
-        host = jax.device_get(result)
+        host = self.sample(params, prompt_ids, prompt_mask, key, self.sampling, g)
         timings["time/rollout"] = time.perf_counter() - start
 
         start = time.perf_counter()
@@ -526,7 +539,7 @@ class Trainer:
         if self.kl_weight_in_reward:
             start = time.perf_counter()
             batch = self.to_batch(groups, np.zeros(len(texts), np.float32))
-            ref = jax.device_get(self.frozen_logprobs(ref_params, batch))
+            ref = self.block.local(self.frozen_logprobs(ref_params, batch))
             kl = np.asarray(
                 sequence_kl(
                     jnp.asarray(host.logprobs),
@@ -568,13 +581,19 @@ class Trainer:
         return prompts, texts, scores
 
     def frozen_logprobs(self, params, batch: Batch) -> jax.Array:
+        """f32[R, N] log-probs of the batch's completions under `params`, split by rows."""
+        temperature = self.config.rollout.temperature
+        program = _shared_program(
+            ("frozen_logprobs", self.mesh, self.model_config, temperature),
+            lambda: jax.jit(
+                functools.partial(
+                    _frozen_logprobs, model_config=self.model_config, temperature=temperature
+                ),
+                out_shardings=self.row_matrix,
+            ),
+        )
         with rules_context(self.mesh):
-            return _frozen_logprobs(
-                params,
-                batch,
-                model_config=self.model_config,
-                temperature=self.config.rollout.temperature,
-            )
+            return program(params, batch)
 
     def to_batch(self, groups: Groups, advantages: np.ndarray) -> Batch:
         completion_mask = groups.mask
@@ -589,12 +608,16 @@ class Trainer:
             advantages=np.asarray(advantages, np.float32),
         )
         shardings = Batch(self.row_matrix, self.row_matrix, self.row_matrix, self.rows)
-        return jax.device_put(batch, shardings)
+        return jax.tree.map(self.block.to_global, batch, shardings)
 
     def collect(self, params, ref_params, key, position: int) -> tuple[Groups, dict, int]:
-        """Stages 1-3: rollouts (more than one with dynamic sampling) -> the step's groups."""
+        """Stages 1-3: rollouts (more than one with dynamic sampling) -> the step's groups.
+
+        The groups are this process's rows; the metrics cover every process's rows.
+        """
         c, g = self.config, self.group_size
         p = c.rollout.prompts_per_step
+        local_prompts = len(self.block.take(range(p)))
         attempts = 1 + (c.algorithm.max_extra_rollouts if c.algorithm.dynamic_sampling else 0)
         sampled: list[Groups] = []
         kept: list[Groups] = []
@@ -615,33 +638,37 @@ class Trainer:
             with_signal = np.flatnonzero(~zero_signal(groups.rewards, groups.valid, g))
             if with_signal.size:
                 kept.append(groups.select_groups(with_signal, g))
-            if sum(len(k.rewards) for k in kept) >= p * g:
+            # Every process samples again until all of them have enough groups.
+            if distributed.agree_all(sum(len(k.rewards) for k in kept) >= local_prompts * g):
                 break
         everything = Groups.concatenate(sampled)
         flat_all = zero_signal(everything.rewards, everything.valid, g)
         batch_groups = everything
         if c.algorithm.dynamic_sampling:
-            missing = p - sum(len(k.rewards) for k in kept) // g
+            missing = local_prompts - sum(len(k.rewards) for k in kept) // g
             if missing > 0:  # extra rollouts exhausted: fill with zero-signal groups
                 kept.append(everything.select_groups(np.flatnonzero(flat_all)[:missing], g))
-            batch_groups = Groups.concatenate(kept).select_groups(range(p), g)
+            batch_groups = Groups.concatenate(kept).select_groups(range(local_prompts), g)
             metrics["dynamic/extra_rollouts"] = len(sampled) - 1
-            metrics["dynamic/zero_signal_kept"] = max(missing, 0)
+            metrics["dynamic/zero_signal_kept"] = int(self.block.gather([max(missing, 0)]).sum())
 
-        valid = everything.valid
-        rewards = everything.rewards[valid]
+        gather = self.block.gather  # every process's rows, for the metrics
+        valid = gather(everything.valid)
+        rewards = gather(everything.rewards)[valid]
+        lengths = gather(everything.lengths)
         metrics["reward/mean"] = float(rewards.mean()) if rewards.size else float("nan")
         metrics["reward/std"] = float(rewards.std()) if rewards.size else float("nan")
         for name, values in everything.per_function.items():
+            values = gather(values)
             scored = values[~np.isnan(values)]
             metrics[f"reward/{name}"] = float(scored.mean()) if scored.size else float("nan")
         metrics["valid_frac"] = float(valid.mean())
-        metrics["reward_failures"] = failures
-        metrics["frac_zero_std"] = float(flat_all.mean())
-        metrics["completion_len/mean"] = float(everything.lengths.mean())
-        metrics["completion_len/max"] = int(everything.lengths.max())
-        metrics["truncated_frac"] = float(everything.truncated.mean())
-        metrics["tokens"] = int(everything.lengths.sum())
+        metrics["reward_failures"] = int(gather([failures]).sum())
+        metrics["frac_zero_std"] = float(gather(flat_all).mean())
+        metrics["completion_len/mean"] = float(lengths.mean())
+        metrics["completion_len/max"] = int(lengths.max())
+        metrics["truncated_frac"] = float(gather(everything.truncated).mean())
+        metrics["tokens"] = int(lengths.sum())
         return batch_groups, metrics, position
 
     def advantages(self, groups: Groups) -> np.ndarray:
@@ -677,7 +704,7 @@ class Trainer:
             )
         metrics.update(_update_metrics(jax.device_get(update)))
         metrics["time/update"] = time.perf_counter() - update_start
-        valid = advantages[groups.valid]
+        valid = self.block.gather(advantages)[self.block.gather(groups.valid)]
         metrics["advantage/mean"] = float(valid.mean()) if valid.size else 0.0
         metrics["advantage/std"] = float(valid.std()) if valid.size else 0.0
         metrics["advantage/abs_max"] = float(np.abs(valid).max()) if valid.size else 0.0
@@ -686,28 +713,39 @@ class Trainer:
         return state, metrics, position
 
     def evaluate(self, params) -> tuple[dict[str, float], list[tuple[Any, str, float]]]:
-        """Greedy completions of the eval examples: mean reward and accuracy."""
+        """Greedy completions of the eval examples: mean reward and accuracy (over every
+        process's rows; the samples to log are this process's)."""
         c, task = self.config, self.task
         examples = list(task.eval[: c.task.eval_size] if c.task.eval_size else task.eval)
         chunk = c.rollout.prompts_per_step
-        totals, correct, samples = [], [], []
+        totals, correct, real, samples = [], [], [], []
         for start in range(0, len(examples), chunk):
             part = examples[start : start + chunk]
             padded = part + [part[-1]] * (chunk - len(part))  # same shape for every chunk
-            ids, mask = encode_examples(self.tokenizer, padded, c.rollout.max_prompt_length)
-            result = jax.device_get(
-                self.sample(params, ids, mask, jax.random.key(0), self.greedy, 1)
-            )
-            rows = len(part)
-            prompts, texts, scores = self.score(
-                part, result.tokens[:rows], result.lengths[:rows], result.truncated[:rows]
-            )
-            totals.extend(scores.total.tolist())
-            correct.extend((scores.per_function[task.correctness] >= 1.0).tolist())
-            samples.extend(zip(prompts, texts, scores.total.tolist(), strict=True))
+            local = self.block.take(padded)
+            is_real = self.block.take(np.arange(chunk)) < len(part)  # padding at the end
+            rows = int(is_real.sum())
+            ids, mask = encode_examples(self.tokenizer, local, c.rollout.max_prompt_length)
+            result = self.sample(params, ids, mask, jax.random.key(0), self.greedy, 1)
+            total = np.zeros(len(local), np.float64)
+            hit = np.zeros(len(local), np.float64)
+            if rows:
+                prompts, texts, scores = self.score(
+                    local[:rows],
+                    result.tokens[:rows],
+                    result.lengths[:rows],
+                    result.truncated[:rows],
+                )
+                total[:rows] = scores.total
+                hit[:rows] = scores.per_function[task.correctness] >= 1.0
+                samples.extend(zip(prompts, texts, scores.total.tolist(), strict=True))
+            totals.append(self.block.gather(total))
+            correct.append(self.block.gather(hit))
+            real.append(self.block.gather(is_real))
+        real = np.concatenate(real)
         metrics = {
-            "eval/reward": float(np.mean(totals)),
-            "eval/accuracy": float(np.mean(correct)),
+            "eval/reward": float(np.concatenate(totals)[real].mean()),
+            "eval/accuracy": float(np.concatenate(correct)[real].mean()),
         }
         spread = max(1, len(samples) // max(c.train.log_samples, 1))  # across the eval set
         return metrics, samples[::spread][: c.train.log_samples]
@@ -725,7 +763,6 @@ def _shared_program(key: tuple, build: Callable[[], Callable]) -> Callable:
     return _PROGRAMS[key]
 
 
-@jax.jit(static_argnames=("model_config", "temperature"))
 def _frozen_logprobs(params, batch: Batch, *, model_config, temperature) -> jax.Array:
     return completion_logprobs(
         params, batch, model_config=model_config, temperature=temperature, chunk_size=4096
@@ -786,10 +823,11 @@ def train(
     `on_step(step, metrics)` is called after each step's metrics are written.
     """
     c = config
-    trainer = Trainer(c, task)
-    check_memory(trainer)  # before anything is allocated: a config that cannot fit stops here
     run_dir = pathlib.Path(c.train.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    distributed.check_shared_directory(run_dir)  # several hosts write one checkpoint
+    trainer = Trainer(c, task)
+    check_memory(trainer)  # before anything is allocated: a config that cannot fit stops here
 
     params = trainer.initial_params()
     needs_ref = c.algorithm.beta > 0
@@ -803,10 +841,17 @@ def train(
         state, meta = checkpointer.restore(state)
         step, position = int(meta["step"]), int(meta["data_position"])
         logger.info("resuming %s from step %d", run_dir, step)
-    writer = MetricsWriter(
-        run_dir, resume_step=step if latest is not None else None, tensorboard=c.train.tensorboard
+    primary = distributed.is_primary()  # process 0 writes metrics and logs samples
+    writer = (
+        MetricsWriter(
+            run_dir,
+            resume_step=step if latest is not None else None,
+            tensorboard=c.train.tensorboard,
+        )
+        if primary
+        else None
     )
-    progress = ProgressBar(c.train.steps, initial_step=step, enabled=c.train.progress)
+    progress = ProgressBar(c.train.steps, initial_step=step, enabled=c.train.progress and primary)
     last_saved = latest
 
     def save(done: int):
@@ -836,29 +881,33 @@ def train(
                 if c.train.eval_every and (step % c.train.eval_every == 0 or step == c.train.steps):
                     eval_metrics, samples = trainer.evaluate(state.params)
                     metrics.update(eval_metrics)
-                    for prompt, text, reward in samples:
+                    for prompt, text, reward in samples if primary else ():
                         logger.info(
                             "step %d sample (reward %.3g): %r -> %r", step, reward, prompt, text
                         )
-                writer.write(step, metrics)
+                if writer is not None:
+                    writer.write(step, metrics)
                 progress.update(step, metrics)
                 if step % c.train.save_every == 0 or step == c.train.steps:
                     save(step)
                 if on_step is not None:
                     on_step(step, metrics)
-                if preemption.requested:
+                if distributed.agree_any(preemption.requested):  # every process stops here
                     if last_saved != step:
                         save(step)
                     stopped = True
                     break
     finally:
         progress.close()
-        writer.close()
+        if writer is not None:
+            writer.close()
         checkpointer.close()
         if trainer.reward_pool is not None:
             trainer.reward_pool.close()
     if step >= c.train.steps and c.train.export and not stopped:
-        export(trainer, state.params, run_dir / "hf")
+        params = distributed.host_params(state.params)  # every process takes part
+        if primary:
+            export(trainer, params, run_dir / "hf")
     return TrainResult(state=state, steps_done=step, run_dir=run_dir, stopped_by_signal=stopped)
 
 
@@ -933,6 +982,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError) as error:
         print(f"config error: {error}", file=sys.stderr)
         return 2
+    d = config.distributed
+    distributed.initialize(
+        d.initialize,
+        coordinator_address=d.coordinator_address,
+        num_processes=d.num_processes,
+        process_id=d.process_id,
+    )
     result = train(config)
     if result.stopped_by_signal:
         logger.info("stopped by SIGTERM after step %d; rerun to resume.", result.steps_done)
