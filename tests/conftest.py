@@ -1,10 +1,25 @@
-"""Forces 8 host CPU devices before JAX initialises, so sharding tests run on any machine."""
+"""Forces 8 host CPU devices before JAX initialises, so sharding tests run on any machine, and
+shares compiled programs between the tests of one session.
 
+Many tests compile the same small programs (in this process and in the `python -m jgrpo.train`
+processes they start); a persistent compilation cache in a fresh directory per session, which
+the child processes inherit, compiles each once. `count_compiles` counts cache hits as
+compilations, so a recompile is still seen.
+"""
+
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = " ".join(
     [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"]
 ).strip()
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _cache = tempfile.mkdtemp(prefix="jgrpo-tests-jax-cache-")
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.2"
 
 import jax  # noqa: E402  (must come after XLA_FLAGS is set)
 
@@ -33,6 +48,11 @@ _compiles = []
 jax.monitoring.register_event_duration_secs_listener(
     lambda event, duration, **kwargs: (
         _compiles.append(event) if event == "/jax/core/compile/backend_compile_duration" else None
+    )
+)
+jax.monitoring.register_event_listener(  # a program found in the persistent cache
+    lambda event, **kwargs: (
+        _compiles.append(event) if event == "/jax/compilation_cache/cache_hits" else None
     )
 )
 
