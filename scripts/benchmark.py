@@ -3,12 +3,15 @@
     python scripts/benchmark.py step [--preset tiny] [--prompts 16] [--generations 16] ...
     python scripts/benchmark.py rollout [...]   # = scripts/benchmark_rollout.py [...]
     python scripts/benchmark.py models [...]    # = scripts/benchmark_models.py [...]
+    python scripts/benchmark.py scaling [...]   # = scripts/benchmark_scaling.py [...]
+    python scripts/benchmark.py memory [...]    # = scripts/benchmark_memory.py [...]
 
 `step` times full GRPO steps of the trainer (`jgrpo.train.Trainer`, the addition task, a
 randomly initialised preset): rollout, reward and update apart, completion tokens/s, and the
 update's achieved FLOP/s (XLA's cost analysis of the compiled update divided by its time) as
-a fraction of a matmul peak measured in the same run on the same device. Compilation is the
-first step, reported apart.
+a fraction of a matmul peak measured in the same run on the same device in the model's dtype
+(`--dtype`): the update's model FLOPs utilisation. Compilation is the first step, reported
+apart.
 """
 
 from __future__ import annotations
@@ -27,9 +30,9 @@ import numpy as np
 SCRIPTS = Path(__file__).resolve().parent
 
 
-def matmul_peak_flops(size: int = 2048, repeats: int = 5) -> float:
-    """FLOP/s of one jitted f32 [size, size] @ [size, size] (best of `repeats`)."""
-    a = jax.random.normal(jax.random.key(0), (size, size), jnp.float32)
+def matmul_peak_flops(size: int = 2048, repeats: int = 5, dtype=jnp.float32) -> float:
+    """FLOP/s of one jitted [size, size] @ [size, size] in `dtype` (best of `repeats`)."""
+    a = jax.random.normal(jax.random.key(0), (size, size), dtype)
     matmul = jax.jit(lambda x: x @ x)
     matmul(a).block_until_ready()
     best = min(_timed(lambda: matmul(a).block_until_ready()) for _ in range(repeats))
@@ -51,6 +54,7 @@ def benchmark_step(args: argparse.Namespace) -> None:
         None,
         [
             f"model.preset={args.preset}",
+            f"model.dtype={args.dtype}",
             "task.max_operand=999",  # prompts of up to 8 characters
             f"rollout.prompts_per_step={args.prompts}",
             f"rollout.num_generations={args.generations}",
@@ -93,7 +97,7 @@ def benchmark_step(args: argparse.Namespace) -> None:
         )
     first, timed = rows[0], rows[1:]
     median = {key: statistics.median(r[key] for r in timed) for key in timed[0]}
-    peak = matmul_peak_flops()
+    peak = matmul_peak_flops(dtype=jnp.dtype(args.dtype))
     achieved = flops / median["update"]
     model = trainer.model_config
     print(
@@ -112,13 +116,13 @@ def benchmark_step(args: argparse.Namespace) -> None:
     print(f"update FLOPs (XLA cost analysis): {flops / 1e9:.2f} GFLOP")
     print(
         f"update achieved {achieved / 1e9:.2f} GFLOP/s = {achieved / peak:.1%} of the "
-        f"measured f32 matmul peak {peak / 1e9:.1f} GFLOP/s"
+        f"measured {args.dtype} matmul peak {peak / 1e9:.1f} GFLOP/s (the update's MFU)"
     )
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in ("rollout", "models"):
+    if argv and argv[0] in ("rollout", "models", "scaling", "memory"):
         script = SCRIPTS / f"benchmark_{argv[0]}.py"
         sys.argv = [str(script), *argv[1:]]
         sys.path.insert(0, str(SCRIPTS))
@@ -133,6 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--minibatches", type=int, default=1)
     parser.add_argument("--beta", type=float, default=0.0)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     args = parser.parse_args(argv)
     np.set_printoptions(precision=3)
     benchmark_step(args)
