@@ -116,7 +116,6 @@ class RowBlock:
     """
 
     def __init__(self, rows: NamedSharding):
-        self.sharding = rows
         self.parts = _parts(rows)
         chunks = sorted(
             {index[0].indices(self.parts)[0] for index in _local_indices(rows, self.parts)}
@@ -128,9 +127,7 @@ class RowBlock:
             )
         self.first, self.stop = chunks[0], chunks[-1] + 1
         self.single = jax.process_count() == 1
-        if self.single:
-            self._owners = [0]
-        else:  # which processes hold distinct blocks, in row order
+        if not self.single:  # which processes hold distinct blocks, in row order
             blocks = multihost_utils.process_allgather(np.array([self.first, self.stop]))
             firsts = {}
             for process, (first, _) in enumerate(blocks.tolist()):
@@ -153,9 +150,8 @@ class RowBlock:
         start, stop = self.bounds(len(items))
         return items[start:stop]
 
-    def to_global(self, local, sharding: NamedSharding | None = None) -> jax.Array:
-        """One global array from each process's block of rows."""
-        sharding = self.sharding if sharding is None else sharding
+    def to_global(self, local, sharding: NamedSharding) -> jax.Array:
+        """One global array, split by rows as `sharding` says, from each process's block."""
         local = np.asarray(local)
         shape = (self.num_rows(local.shape[0]), *local.shape[1:])
         if self.single:

@@ -617,7 +617,8 @@ class Trainer:
         """
         c, g = self.config, self.group_size
         p = c.rollout.prompts_per_step
-        local_prompts = len(self.block.take(range(p)))
+        first, stop = self.block.bounds(p)
+        local_prompts = stop - first
         attempts = 1 + (c.algorithm.max_extra_rollouts if c.algorithm.dynamic_sampling else 0)
         sampled: list[Groups] = []
         kept: list[Groups] = []
