@@ -25,7 +25,6 @@ from typing import Any
 
 import numpy as np
 import tqdm
-from tensorboardX import SummaryWriter
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -92,6 +91,9 @@ class MetricsWriter:
 
         self._tensorboard = None
         if tensorboard:
+            # Imported here: tensorboardX imports torch when it is installed (seconds).
+            from tensorboardX import SummaryWriter
+
             self._tensorboard = SummaryWriter(
                 str(self.run_dir / TENSORBOARD_DIR),
                 # TensorBoard discards earlier events at steps >= purge_step: all of them for a

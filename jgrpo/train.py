@@ -676,7 +676,7 @@ class Trainer:
         algo, g = self.config.algorithm, self.group_size
         rows = len(groups.rewards)
         return np.asarray(
-            group_advantages(
+            _group_advantages(
                 jnp.asarray(groups.rewards),
                 jnp.asarray(np.arange(rows) // g, jnp.int32),
                 rows // g,
@@ -762,6 +762,12 @@ def _shared_program(key: tuple, build: Callable[[], Callable]) -> Callable:
     if key not in _PROGRAMS:
         _PROGRAMS[key] = build()
     return _PROGRAMS[key]
+
+
+# One compiled program instead of a dispatch per operation, every step.
+_group_advantages = jax.jit(
+    group_advantages, static_argnums=2, static_argnames=("scale", "std_ddof", "eps", "clip")
+)
 
 
 def _frozen_logprobs(params, batch: Batch, *, model_config, temperature) -> jax.Array:
@@ -910,6 +916,29 @@ def train(
         if primary:
             export(trainer, params, run_dir / "hf")
     return TrainResult(state=state, steps_done=step, run_dir=run_dir, stopped_by_signal=stopped)
+
+
+def evaluate(
+    config: Config, params=None, *, task: tasks.Task | None = None
+) -> tuple[dict[str, float], list[tuple[Any, str, float]]]:
+    """Greedy answers to the eval split, as the train loop's evaluation step scores them.
+
+    params: the policy to evaluate (e.g. `train(config).state.params`); None evaluates the
+    config's initial policy, the one training starts from. Returns the metrics
+    {"eval/reward", "eval/accuracy"} (accuracy: the share where the task's correctness reward
+    is 1) and up to `train.log_samples` (prompt, completion, reward) samples spread over the
+    eval set.
+    """
+    trainer = Trainer(config, task)
+    try:
+        if params is None:
+            params = trainer.initial_params()
+        else:  # in this trainer's shards, wherever the parameters came from
+            params = jax.device_put(params, trainer.param_shardings)
+        return trainer.evaluate(params)
+    finally:
+        if trainer.reward_pool is not None:
+            trainer.reward_pool.close()
 
 
 def export(trainer: Trainer, params, directory: pathlib.Path) -> pathlib.Path:

@@ -1,8 +1,6 @@
-"""MetricsWriter / read_metrics / ProgressBar, and scripts/plot_metrics.py end to end."""
+"""MetricsWriter / read_metrics / ProgressBar (the plots: tests/test_plotting.py)."""
 
-import importlib.util
 import json
-import math
 import struct
 from pathlib import Path
 
@@ -12,8 +10,6 @@ import pytest
 from tensorboardX.proto import event_pb2
 
 from jgrpo.metrics import MetricsWriter, ProgressBar, read_metrics
-
-SCRIPT = Path(__file__).parent.parent / "scripts" / "plot_metrics.py"
 
 
 def tensorboard_events(run_dir: Path) -> list[event_pb2.Event]:
@@ -194,56 +190,3 @@ def test_progress_bar_shows_metrics(capsys):
     assert "4/10" in final
     assert "reward=0.654" in final and "kl=2" in final and "eval_acc=0.75" in final
     assert "loss" not in final
-
-
-def load_plot_script():
-    spec = importlib.util.spec_from_file_location("plot_metrics", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_plot_metrics_writes_png(tmp_path):
-    with MetricsWriter(tmp_path, tensorboard=False) as writer:
-        for step in range(1, 21):
-            metrics = {
-                "reward/mean": step / 20,
-                "reward/std": 0.1,
-                "reward/correct": step / 40,
-                "reward/format": 1.0,
-                "kl": 0.01 * step,
-                "loss": math.nan if step == 5 else -0.1,
-                "completion_len/mean": 100.0 + step,
-                "clip_frac/low": 0.0,
-                "clip_frac/high": 0.02,
-            }
-            if step % 5 == 0:
-                metrics |= {"eval/reward": step / 25, "eval/accuracy": step / 30}
-            writer.write(step, metrics)
-
-    plot_metrics = load_plot_script()
-    out = plot_metrics.main([str(tmp_path)])
-    assert out == tmp_path / "metrics.png"
-    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
-
-    custom = tmp_path / "elsewhere.png"
-    assert plot_metrics.main([str(tmp_path), "--out", str(custom)]) == custom
-    assert custom.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
-def test_plot_metrics_panels_follow_the_logged_keys():
-    plot_metrics = load_plot_script()
-    records = [{"step": 1, "reward/mean": 0.5, "reward/std": 0.1, "reward/b": 1, "reward/a": 0}]
-    assert plot_metrics.panels(records) == [
-        ("reward", ["reward/mean"]),
-        ("reward per function", ["reward/a", "reward/b"]),
-    ]
-
-
-def test_plot_metrics_errors_clearly(tmp_path):
-    plot_metrics = load_plot_script()
-    with pytest.raises(SystemExit, match="no metrics file"):
-        plot_metrics.main([str(tmp_path / "missing")])
-    MetricsWriter(tmp_path, tensorboard=False).close()
-    with pytest.raises(SystemExit, match="empty"):
-        plot_metrics.main([str(tmp_path)])

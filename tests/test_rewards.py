@@ -148,3 +148,27 @@ def test_a_hanging_verifier_costs_its_timeout_not_the_step():
     np.testing.assert_array_equal(scores.per_function["len"], [2.0, 1.0, 3.0, 1.0])
     np.testing.assert_array_equal(scores.per_function["local"], [1.0] * 4)  # ran in-process
     assert elapsed < 30, elapsed  # two timeouts and worker restarts, never the 60 s sleep
+
+
+def test_a_function_from_a_notebook_runs_in_process_not_in_a_worker(monkeypatch):
+    """A worker imports a function's module by name; a notebook's __main__ has no file, so
+    sending it there would fail in the worker (and stall the pool). It runs here instead."""
+    import sys
+    import types
+
+    from jgrpo.rewards.pool import VerifierPool
+
+    main = types.ModuleType("__main__")  # as in a Jupyter kernel: no __file__
+
+    def from_a_cell(prompts, completions, **_):
+        return [2.0] * len(completions)
+
+    from_a_cell.__module__, from_a_cell.__qualname__ = "__main__", "from_a_cell"
+    main.from_a_cell = from_a_cell
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    with VerifierPool(workers=1, timeout_s=5.0) as pool:
+        assert pool.run(from_a_cell, {"prompts": ["p"], "completions": ["c"]}) == [2.0]
+        assert pool._pool is None  # no worker was started
+        # Module-level functions (this file has one) still go to a worker.
+        assert pool.run(length_reward, {"prompts": ["p"], "completions": ["abc"]}) == [3.0]
+        assert pool._pool is not None

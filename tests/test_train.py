@@ -109,6 +109,40 @@ def test_end_to_end_metrics_checkpoints_eval_and_export(tmp_path, count_compiles
     assert_trees_equal(again.state.params, result.state.params)
 
 
+def test_evaluate_before_and_after_training_matches_the_loops_eval(tmp_path, monkeypatch):
+    closed = []
+
+    class RecordingPool(train_module.VerifierPool):
+        def close(self):
+            closed.append(self)
+            super().close()
+
+    monkeypatch.setattr(train_module, "VerifierPool", RecordingPool)
+    config = tiny_config(
+        tmp_path,
+        "train.steps=3",
+        "train.eval_every=3",
+        "train.log_samples=3",
+        "train.export=false",
+        "task.reward_workers=1",  # evaluate closes the pool it started
+    )
+    before, before_samples = train_module.evaluate(config)
+    assert len(closed) == 1
+    assert before.keys() == {"eval/reward", "eval/accuracy"}
+    assert 0 <= before["eval/accuracy"] <= 1 and 0 <= before["eval/reward"] <= 1.2
+    assert len(before_samples) == 3
+    for prompt, completion, reward in before_samples:
+        assert isinstance(prompt, str) and prompt.endswith("=") and isinstance(completion, str)
+        assert 0 <= reward <= 1.2
+
+    result = train_module.train(config)
+    after, after_samples = train_module.evaluate(config, result.state.params)
+    (*_, last) = read_metrics(tmp_path)
+    assert after == {"eval/reward": last["eval/reward"], "eval/accuracy": last["eval/accuracy"]}
+    assert len(after_samples) == 3 and after_samples != before_samples  # the policy moved
+    assert len(closed) == 3  # each evaluate and the train run closed its pool
+
+
 def test_the_policy_changes_and_adam_state_is_saved(tmp_path):
     config = tiny_config(tmp_path, "train.steps=2", "train.save_every=1", "train.eval_every=0")
     trainer = train_module.Trainer(config)

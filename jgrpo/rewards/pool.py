@@ -14,9 +14,11 @@ process, without the timeout.
 
 from __future__ import annotations
 
+import io
 import logging
 import multiprocessing
 import pickle
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +27,21 @@ logger = logging.getLogger("jgrpo.rewards")
 
 class VerifierTimeout(TimeoutError):
     """A reward function call took longer than the pool's timeout."""
+
+
+class _WorkerPickler(pickle.Pickler):
+    """Pickles what a worker can load. A worker imports a function's module by name, so
+    anything defined in an interactive `__main__` (a notebook cell, `python -c`), which has no
+    file to import, is refused: it runs in the training process instead of hanging the pool."""
+
+    def reducer_override(self, obj):
+        if getattr(obj, "__module__", None) == "__main__" and _interactive_main():
+            raise pickle.PicklingError(f"{obj!r} is defined in an interactive __main__")
+        return NotImplemented
+
+
+def _interactive_main() -> bool:
+    return getattr(sys.modules.get("__main__"), "__file__", None) is None
 
 
 def _invoke(fn: Callable[..., Any], kwargs: dict[str, Any]) -> list[Any]:
@@ -49,11 +66,15 @@ class VerifierPool:
     def run(self, fn: Callable[..., Any], kwargs: dict[str, Any], *, name: str = "") -> Any:
         """fn(**kwargs) in a worker (at most timeout_s seconds), or here when not picklable."""
         try:
-            pickle.dumps((fn, kwargs))
+            _WorkerPickler(io.BytesIO()).dump((fn, kwargs))
         except Exception:  # noqa: BLE001 (whatever pickling raises, run it here instead)
             if name not in self._in_process:
                 self._in_process.add(name)
-                logger.info("reward function %r is not picklable: it runs in-process", name)
+                logger.info(
+                    "reward function %r cannot go to a worker (not picklable, or defined in a "
+                    "notebook): it runs in-process",
+                    name,
+                )
             return fn(**kwargs)
         if self._pool is None:
             self._pool = multiprocessing.get_context("forkserver").Pool(self.workers)
