@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
 import pathlib
 import types
 import typing
@@ -36,6 +37,8 @@ def option(default: Any, help: str) -> Any:  # noqa: A002 (the natural name for 
 
 @dataclasses.dataclass(frozen=True)
 class ModelSection:
+    """The policy: a Hugging Face checkpoint, or a `models` preset initialised at random."""
+
     path: str | None = option(None, "HF checkpoint directory or hub name; None: the preset")
     preset: str = option("tiny", "models preset used when path is None (random init)")
     dtype: str = option("float32", "parameter dtype: float32 or bfloat16")
@@ -48,6 +51,8 @@ class ModelSection:
 
 @dataclasses.dataclass(frozen=True)
 class RolloutSection:
+    """Sampling: P = prompts_per_step prompts per step, G completions each, up to N tokens."""
+
     prompts_per_step: int = option(8, "prompts sampled per training step")
     num_generations: int = option(8, "G: completions per prompt (the group), >= 2")
     max_new_tokens: int = option(128, "N: completion length limit in tokens")
@@ -80,6 +85,8 @@ class RolloutSection:
 
 @dataclasses.dataclass(frozen=True)
 class AlgorithmSection:
+    """The GRPO objective and update schedule; the formulas are in docs/objective.md."""
+
     scale: str = option("group", "advantage scaling: group, batch or none (Dr. GRPO)")
     std_ddof: int = option(0, "0: population std; 1: sample std (TRL, verl)")
     advantage_eps: float = option(1e-4, "added to the std before dividing")
@@ -129,6 +136,8 @@ TASKS = ("addition", "json_extraction", "gsm8k", "jsonl", "tfds")
 
 @dataclasses.dataclass(frozen=True)
 class TaskSection:
+    """The data, its eval split and the reward functions (see docs/training.md)."""
+
     name: str = option("addition", "addition (the demo), json_extraction, gsm8k, jsonl or tfds")
     dataset: str | None = option(None, "tfds: the TFDS dataset name")
     path: str | None = option(None, "jsonl: the data file; gsm8k: a folder of <split>.jsonl")
@@ -190,6 +199,8 @@ class TaskSection:
 
 @dataclasses.dataclass(frozen=True)
 class OptimSection:
+    """AdamW after global-norm clipping, with linear warmup then a constant or cosine lr."""
+
     lr: float = option(1e-6, "peak learning rate (AdamW)")
     warmup_steps: int = option(0, "linear warmup from 0, in optimizer steps")
     schedule: str = option("constant", "after warmup: constant or cosine")
@@ -211,6 +222,8 @@ class OptimSection:
 
 @dataclasses.dataclass(frozen=True)
 class TrainSection:
+    """The loop: how long, the seed, where checkpoints and metrics go, and how often."""
+
     steps: int = option(100, "training steps (one rollout batch each)")
     seed: int = option(0, "seeds data order, initialisation and sampling")
     run_dir: str = option("runs/demo", "checkpoints and metrics; rerun with it to resume")
@@ -232,6 +245,8 @@ class TrainSection:
 
 @dataclasses.dataclass(frozen=True)
 class MeshSection:
+    """How the devices form the (data, fsdp, tensor) mesh; see docs/scaling.md."""
+
     data: int = option(1, "data-parallel replicas, each with whole parameters (-1: the rest)")
     fsdp: int = option(
         -1, "data parallel with parameters and optimizer state sharded (-1: the rest)"
@@ -265,6 +280,8 @@ class MeshSection:
 
 @dataclasses.dataclass(frozen=True)
 class DistributedSection:
+    """Multi-host runs (the same command on every host): how `jax.distributed` is started."""
+
     initialize: str = option(
         "auto",
         "start jax.distributed: auto (when set below or a cluster is detected), always, never",
@@ -292,6 +309,12 @@ class DistributedSection:
 
 @dataclasses.dataclass(frozen=True)
 class Config:
+    """The whole training config: one section per YAML mapping.
+
+    `check()` validates every section, then that the prompts_per_step x num_generations
+    sequences of a step split into num_minibatches x grad_accumulation equal parts.
+    """
+
     model: ModelSection = dataclasses.field(default_factory=ModelSection)
     task: TaskSection = dataclasses.field(default_factory=TaskSection)
     rollout: RolloutSection = dataclasses.field(default_factory=RolloutSection)
@@ -430,8 +453,23 @@ SMOKE_OVERRIDES = (
 )
 
 
+def with_smoke(overrides: Sequence[str]) -> list[str]:
+    """The word `smoke` among the overrides becomes SMOKE_OVERRIDES, placed before the others."""
+    if "smoke" not in overrides:
+        return list(overrides)
+    return [*SMOKE_OVERRIDES, *(o for o in overrides if o != "smoke")]
+
+
 def load_config(path: str | pathlib.Path | None = None, overrides: Sequence[str] = ()) -> Config:
-    """The YAML file (if any), then each `dotted.key=value` (the value parsed as YAML)."""
+    """The validated Config: defaults, then the YAML file (if any), then each override.
+
+    Each override is a `section.key=value` string whose value is parsed as YAML (`null` is
+    None); later ones win. The word `smoke` puts SMOKE_OVERRIDES before the others (a quick
+    CPU check of any recipe). The YAML file holds one mapping per section. Raises ConfigError
+    naming the key for an unknown key (with the closest valid ones), a wrong type or an
+    impossible value.
+    """
+    overrides = with_smoke(overrides)
     tree: dict[str, Any] = {}
     if path is not None:
         loaded = yaml.safe_load(pathlib.Path(path).read_text()) or {}
@@ -449,6 +487,10 @@ def load_config(path: str | pathlib.Path | None = None, overrides: Sequence[str]
     return _build(Config, tree, "").check()
 
 
+def _type_name(hint: Any) -> str:
+    return getattr(hint, "__name__", str(hint).replace("typing.", ""))
+
+
 def format_help() -> str:
     """Every key with its type, default and description, section by section."""
     lines = []
@@ -456,11 +498,95 @@ def format_help() -> str:
         lines.append(f"{section}:")
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
-            kind = getattr(hints[f.name], "__name__", str(hints[f.name]).replace("typing.", ""))
+            kind = _type_name(hints[f.name])
             lines.append(
                 f"  {section}.{f.name} ({kind}, default {f.default!r}): {f.metadata['help']}"
             )
     return "\n".join(lines)
+
+
+def _yaml_value(value: Any) -> str:
+    """A default as it is written in YAML and overrides: null, true, 1e-06, runs/demo."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def format_markdown() -> str:
+    """docs/config.md: every key as a table row per section, and how values are set.
+
+    Written by `python scripts/reference_docs.py`; a test fails when the file is stale.
+    """
+
+    def cell(text: str) -> str:  # a table cell: | splits cells, <x> would be an HTML tag
+        return text.replace("|", "\\|").replace("<", "\\<")
+
+    out = [
+        "# Configuration reference",
+        "",
+        "<!-- Generated from jgrpo/config.py by `python scripts/reference_docs.py`: edit the "
+        "dataclasses there, not this file. -->",
+        "",
+        "Every key of `python -m jgrpo.train`, with its type, default and description. "
+        "The same list, one line per key, is printed by `python -m jgrpo.train --help`.",
+        "",
+        inspect.cleandoc(Config.__doc__ or ""),
+        "",
+        "## Setting values",
+        "",
+        "```bash",
+        "python -m jgrpo.train [CONFIG.yaml] [section.key=value ...] [smoke]",
+        "python -m jgrpo.train configs/gsm8k-qwen2.5-0.5b.yaml optim.lr=1e-6 train.steps=300",
+        "```",
+        "",
+        "- The YAML file holds one mapping per section (`rollout:` then an indented "
+        "`num_generations: 16`); keys left out keep their defaults. configs/ has examples.",
+        "- Each `section.key=value` override is parsed as YAML (`null` is None, `true` is a "
+        "bool, `1e-6` a float) and applied after the file, in order; the last one wins.",
+        "- Without a YAML file the [demo](#the-demo-and-smoke) is the base; your overrides "
+        "apply on top of it.",
+        "- The word `smoke` inserts the [smoke overrides](#the-demo-and-smoke) before yours: a "
+        "quick CPU check of any recipe.",
+        "- From Python: `jgrpo.config.load_config(path, overrides)` returns the validated "
+        "`Config`.",
+        "- Unknown keys (with the closest valid ones), wrong types and impossible values are "
+        "errors that name the key, raised before anything runs.",
+        "",
+        "Sections: " + ", ".join(f"[`{name}`](#{name})" for name in _SECTIONS) + ".",
+    ]
+    for section, cls in _SECTIONS.items():
+        hints = typing.get_type_hints(cls)
+        out += ["", f"## {section}", "", inspect.cleandoc(cls.__doc__ or ""), ""]
+        out += ["| key | type | default | description |", "|---|---|---|---|"]
+        for f in dataclasses.fields(cls):
+            kind, default = _type_name(hints[f.name]), _yaml_value(f.default)
+            out.append(
+                f"| `{section}.{f.name}` | `{cell(kind)}` | `{cell(default)}` "
+                f"| {cell(f.metadata['help'])} |"
+            )
+    out += [
+        "",
+        "## The demo and smoke",
+        "",
+        "Without a YAML file, `python -m jgrpo.train` runs the CPU demo (a tiny model learns "
+        "addition from scratch): the defaults above with these overrides "
+        "(configs/demo.yaml holds the same values):",
+        "",
+        "```text",
+        *DEMO_OVERRIDES,
+        "```",
+        "",
+        "`smoke` swaps in the tiny model from scratch (with a character tokenizer), a few rows "
+        "and two steps:",
+        "",
+        "```text",
+        *SMOKE_OVERRIDES,
+        "```",
+        "",
+    ]
+    return "\n".join(out)
 
 
 def to_dict(config: Config) -> dict[str, Any]:

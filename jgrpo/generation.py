@@ -86,11 +86,11 @@ def stop_token_ids(tokenizer, model_config) -> tuple[int, ...]:
 
 @dataclasses.dataclass
 class Generations:
-    """texts[p][g] and token_ids[p][g]: completion g of prompt p (stop token included)."""
+    """Completion g of prompt p: `texts[p][g]` and `token_ids[p][g]`; `rollout` row p * G + g."""
 
-    texts: list[list[str]]
-    token_ids: list[list[list[int]]]
-    rollout: Rollout
+    texts: list[list[str]]  # decoded, special tokens (the stop token too) skipped
+    token_ids: list[list[list[int]]]  # up to and including the stop token
+    rollout: Rollout  # the arrays, [P * G, N], as `jgrpo.rollout` returns them
 
 
 def generate(
@@ -110,8 +110,18 @@ def generate(
 ) -> Generations:
     """G completions of each prompt from a `models.Transformer`, decoded to text.
 
-    `stop_tokens` default to the EOS ids of the tokenizer and the model config. `key` is a
-    PRNG key or an int seed; the same key and inputs give the same completions.
+    Prompts are tokenized, left-padded to the smallest of `buckets` that holds the longest
+    (so prompts of similar length reuse one compiled program) and sampled by `rollout`.
+
+    Args:
+      model: a `models.Transformer`, e.g. from `models.from_pretrained`.
+      tokenizer: its Hugging Face tokenizer (chat messages need a chat template).
+      prompts: plain strings, or chat messages `[{"role": ..., "content": ...}]`; a single
+        string is one prompt.
+      num_generations: G, completions per prompt.
+      temperature: 0 samples greedily; top_p, top_k and min_p as in `SamplingConfig`.
+      stop_tokens: default: the EOS ids of the tokenizer and of the model config.
+      key: a PRNG key or an int seed; the same key and inputs give the same completions.
     """
     if num_generations < 1:
         raise ValueError(f"num_generations must be >= 1, got {num_generations}.")

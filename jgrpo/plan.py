@@ -235,7 +235,7 @@ def check_memory(trainer) -> MemoryPlan | None:
 def main(argv: Sequence[str] | None = None) -> int:
     import argparse
 
-    from jgrpo.config import DEMO_OVERRIDES
+    from jgrpo.config import DEMO_OVERRIDES, with_smoke
     from jgrpo.train import Trainer, parse_args
 
     parser = argparse.ArgumentParser(
@@ -246,6 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--budget-gib", type=float, default=None, help="memory per device")
     args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     path, overrides = parse_args(rest)
+    overrides = with_smoke(overrides)
     if path is None:
         overrides = [*DEMO_OVERRIDES, *overrides]
     try:

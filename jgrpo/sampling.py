@@ -158,6 +158,13 @@ def rollout(
 ) -> Rollout:
     """G completions for each prompt, sampled by the model with parameters `params`.
 
+    Args:
+      params: the model's parameters, e.g. `models.Transformer.params()`.
+      key: a PRNG key; draw a fresh one for every rollout.
+      model_config: static, like num_generations and sampling: a new value compiles anew.
+
+    Returns a `Rollout` of P * G rows, prompt-major (row p * G + g).
+
     Each prompt is prefilled once (cost independent of G) and its KV cache is shared by its G
     rows, never copied; only its last logits are repeated G times. The decode loop runs on
     device until every row has emitted a stop token or N tokens.

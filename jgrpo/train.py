@@ -42,6 +42,7 @@ from jgrpo.config import (
     format_help,
     load_config,
     to_dict,
+    with_smoke,
 )
 from jgrpo.generation import encode_prompts, pad_prompts, stop_token_ids
 from jgrpo.losses import sequence_kl
@@ -1003,8 +1004,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     _log_to_stderr()
     path, overrides = parse_args(argv)
-    if "smoke" in overrides:  # a quick CPU check of a recipe
-        overrides = [*SMOKE_OVERRIDES, *(o for o in overrides if o != "smoke")]
+    overrides = with_smoke(overrides)  # before the demo's, so that the demo's still apply
     if path is None:  # the built-in demo, with any overrides on top
         overrides = [*DEMO_OVERRIDES, *overrides]
     try:

@@ -60,6 +60,8 @@ class UpdateConfig:
 
 
 class TrainState(NamedTuple):
+    """Parameters, optimizer state and step count: the pytree `train_step` takes and returns."""
+
     params: dict
     opt_state: optax.OptState
     step: jax.Array  # int32: optimizer steps taken
@@ -88,8 +90,10 @@ def make_optimizer(
 ) -> optax.GradientTransformation:
     """AdamW after global-norm clipping, with linear warmup then a constant or cosine lr.
 
-    Equal settings return the same object: the optimizer is a static argument of
-    `train_step`, so a new run with the same settings reuses its compiled program.
+    `total_steps` (optimizer steps in the run) is where the cosine schedule reaches 0; the
+    constant schedule ignores it. Equal settings return the same object: the optimizer is a
+    static argument of `train_step`, so a new run with the same settings reuses its compiled
+    program.
     """
     if learning_rate <= 0:
         raise ValueError(f"learning_rate must be > 0, got {learning_rate}.")
@@ -154,8 +158,16 @@ def train_step(
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """num_iterations x num_minibatches optimizer steps on one rollout batch.
 
+    Args:
+      state: donated: its buffers are reused for the result, so do not read it afterwards.
+      batch: B rows; B must split into num_minibatches x grad_accumulation equal parts.
+      ref_params: the frozen reference parameters; required when update_config.beta > 0.
+      model_config: static, like update_config and optimizer: a new value compiles anew.
+
     Returns the new state and metrics, each of shape [num_iterations, num_minibatches] (so
-    callers can see, for instance, the ratio move away from 1 in the second pass).
+    callers can see, for instance, the ratio move away from 1 in the second pass): `loss`,
+    `ratio_mean`, `clip_frac_low`, `clip_frac_high`, `entropy`, `grad_norm`, `lr`, and
+    `kl_mean` when beta > 0.
     """
     cfg = update_config
     rows = batch.advantages.shape[0]

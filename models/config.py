@@ -100,6 +100,7 @@ class ModelConfig:
         return self.num_layers * layer + embeddings + e
 
     def replace(self, **changes) -> ModelConfig:
+        """A copy with `changes` applied (validated again)."""
         return dataclasses.replace(self, **changes)
 
     @classmethod

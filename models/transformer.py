@@ -37,6 +37,7 @@ class KVCache(NamedTuple):
 
     @property
     def max_length(self) -> int:
+        """S, the number of slots."""
         return self.k.shape[3]
 
 
@@ -44,7 +45,7 @@ CACHE_AXES = ("layers", "batch", "kv_heads", "length", "head_dim")
 
 
 def init_cache(config: ModelConfig, batch: int, max_length: int, dtype=jnp.float32) -> KVCache:
-    """An empty cache of `max_length` slots."""
+    """An empty cache of `max_length` slots for `batch` rows: zeros in `dtype`, index 0."""
     shape = (config.num_layers, batch, config.num_kv_heads, max_length, config.head_dim)
     # Two buffers, not one shared: a cache passed with donation must not alias itself.
     return KVCache(
@@ -140,8 +141,10 @@ class DecoderLayers(nnx.Module):
 class Transformer(nnx.Module):
     """Token ids in, logits (or final hidden states) out, with an optional KV cache.
 
-    Parameters carry logical axis names as Flax `out_sharding` metadata; they are created
-    unsharded and a mesh's rules table decides their placement (see jgrpo's sharding).
+    `rngs` seeds the random initialisation and `param_dtype` is the parameters' dtype;
+    `models.from_pretrained` builds one from a checkpoint instead. Parameters carry logical
+    axis names as Flax `out_sharding` metadata; they are created unsharded and a mesh's rules
+    table decides their placement (see jgrpo's sharding).
     """
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32):

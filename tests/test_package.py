@@ -1,4 +1,5 @@
-"""The package as users meet it: public names, the README example, the quickstart, the layout."""
+"""The package as users meet it: public names, the README and library examples, the quickstart,
+the layout."""
 
 import pathlib
 import re
@@ -39,36 +40,34 @@ def test_pure_objective_does_not_import_flax():
     assert out.stdout.strip() == "[]"
 
 
-def readme_blocks():
-    return re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
-
-
-def readme_block(first_line: str) -> str:
-    """The README's python block that starts with `first_line`."""
-    (block,) = [b for b in readme_blocks() if b.startswith(first_line)]
+def python_block(first_line: str, page: str = "README.md") -> str:
+    """The python block of `page` that starts with `first_line`."""
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / page).read_text(), flags=re.S)
+    (block,) = [b for b in blocks if b.startswith(first_line)]
     return block
 
 
 def test_readme_custom_task_example_trains(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the example writes runs/zeros
     namespace = {}
-    exec(compile(readme_block("from jgrpo.config"), "README.md", "exec"), namespace)
+    exec(compile(python_block("from jgrpo.config"), "README.md", "exec"), namespace)
     assert namespace["result"].steps_done == 2
     assert len((tmp_path / "runs" / "zeros" / "metrics.jsonl").read_text().splitlines()) == 2
 
 
 def test_readme_objective_example_runs_and_its_comment_is_true():
     namespace = {}
-    exec(compile(readme_block("import jax\n"), "README.md", "exec"), namespace)
+    exec(compile(python_block("import jax\n"), "README.md", "exec"), namespace)
     np.testing.assert_allclose(
         namespace["advantages"], [-1.34, -0.45, 0.45, 1.34, -1.0, 1.0], atol=5e-3
     )
     assert np.isfinite(namespace["loss"])
 
 
-def test_readme_models_example_runs():
+def test_library_models_example_runs():
     namespace = {}
-    exec(compile(readme_block("import tempfile"), "README.md", "exec"), namespace)
+    block = python_block("import tempfile", "docs/library.md")
+    exec(compile(block, "docs/library.md", "exec"), namespace)
     logits = np.asarray(namespace["logits"])
     assert logits.shape == (1, 4, 256)
     np.testing.assert_allclose(namespace["prefill_logits"], logits[:, :3], atol=1e-5)

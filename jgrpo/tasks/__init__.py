@@ -19,7 +19,13 @@ from jgrpo.rewards import RewardFn
 
 @dataclasses.dataclass
 class Task:
-    """What to train on and how it is scored."""
+    """What to train on and how it is scored; `jgrpo.train.train(config, task=...)` takes one.
+
+    Examples (in `train` and `eval`) are dicts with a "prompt" (text, or chat messages) and
+    any fields the reward functions read (e.g. "answer"). A reward function has TRL's
+    signature, `fn(prompts, completions, **fields) -> list[float | None]`; a completion's
+    reward is the sum of its scores times their `reward_weights` (1.0 when not given).
+    """
 
     name: str
     train: Sequence[Mapping[str, Any]]

@@ -118,5 +118,7 @@ def addition_task(
         },
         reward_weights={"correct": 1.0, "format": 0.2},
         correctness="correct",
-        tokenizer=char_tokenizer(),
+        # Digits, "+" and "=" for a model from scratch; chat messages need a chat template,
+        # so a chat task leaves a from-scratch model the general character tokenizer.
+        tokenizer=None if chat else char_tokenizer(),
     )
