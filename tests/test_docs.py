@@ -24,6 +24,7 @@ import sys
 import tempfile
 
 import pytest
+from tiny_hf import save_char_checkpoint
 
 from jgrpo import plan as plan_module
 from jgrpo import train as train_module
@@ -250,21 +251,7 @@ def _check_plan(args: list[str], workdir, capsys, run: bool) -> tuple:
 def _check_generate(args: list[str], workdir, capsys, run: bool) -> tuple:
     if not run:
         return ("generate",)
-    from flax import nnx
-
-    import models
-    from jgrpo.tasks.arithmetic import text_tokenizer
-
-    tokenizer = text_tokenizer()
-    config = models.preset("tiny").replace(
-        vocab_size=len(tokenizer),
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    checkpoint = workdir / "checkpoint"
-    models.save_pretrained(models.Transformer(config, rngs=nnx.Rngs(0)), checkpoint)
-    tokenizer.save_pretrained(checkpoint)
+    checkpoint = save_char_checkpoint(workdir / "checkpoint")
     generate_main(_set_flags(args, {"--model": str(checkpoint), "--max-new-tokens": "4"}))
     out = capsys.readouterr().out
     prompts = args.count("--prompt")

@@ -16,6 +16,7 @@ from pathlib import Path
 import nbformat
 import pytest
 from nbclient import NotebookClient
+from tiny_hf import save_char_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 COLAB = ROOT / "colab"
@@ -26,26 +27,12 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 def workspace(tmp_path_factory):
     """The layout the notebooks expect (colab/ beside configs/), outside the repository so
     their runs/ folders land in a temporary directory, and a tiny HF checkpoint."""
-    from flax import nnx
-
-    import models
-    from jgrpo.tasks.arithmetic import text_tokenizer
-
     root = tmp_path_factory.mktemp("notebooks")
     (root / "colab").mkdir()
     shutil.copytree(ROOT / "configs", root / "configs")
     # A checkpoint the real-model notebook loads through model.path exactly like the real one:
     # a tiny random model whose vocabulary is a character tokenizer with a chat template.
-    tokenizer = text_tokenizer()
-    config = models.preset("tiny").replace(
-        vocab_size=len(tokenizer),
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    checkpoint = root / "tiny-checkpoint"
-    models.save_pretrained(models.Transformer(config, rngs=nnx.Rngs(0)), checkpoint)
-    tokenizer.save_pretrained(checkpoint)
+    save_char_checkpoint(root / "tiny-checkpoint")
     return root
 
 

@@ -80,3 +80,23 @@ def save_checkpoint(family: str, directory: pathlib.Path, *, with_tokenizer=Fals
     if with_tokenizer:
         make_tokenizer().save_pretrained(directory)
     return model
+
+
+def save_char_checkpoint(directory: pathlib.Path) -> pathlib.Path:
+    """A tiny random jgrpo model saved in HF format with a character tokenizer that has a chat
+    template: what a real instruct checkpoint offers, loadable through `model.path=`."""
+    from flax import nnx
+
+    import models
+    from jgrpo.tasks.arithmetic import text_tokenizer
+
+    tokenizer = text_tokenizer()
+    config = models.preset("tiny").replace(
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    models.save_pretrained(models.Transformer(config, rngs=nnx.Rngs(0)), directory)
+    tokenizer.save_pretrained(directory)
+    return directory
