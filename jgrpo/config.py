@@ -234,6 +234,10 @@ class TrainSection:
     log_samples: int = option(2, "sample completions printed at each evaluation")
     tensorboard: bool = option(True, "also write TensorBoard event files")
     progress: bool = option(True, "show a progress bar")
+    compilation_cache: str | None = option(
+        "~/.cache/jgrpo/jax",
+        "persistent XLA compilation cache, so a rerun starts without compiling (None = off)",
+    )
 
     def check(self):
         for name in ("steps", "save_every", "keep_checkpoints"):

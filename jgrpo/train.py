@@ -87,6 +87,21 @@ class TrainResult:
 # --- Setup -------------------------------------------------------------------------------
 
 
+def use_compilation_cache(directory: str | None) -> None:
+    """Points JAX's persistent compilation cache at `directory` (`train.compilation_cache`),
+    so a later run of the same config reads its compiled programs back instead of compiling.
+
+    A cache the user already chose (JAX_COMPILATION_CACHE_DIR or jax.config) is kept. JAX
+    decides whether to use a cache at the process's first compilation, so this is called
+    before anything compiles.
+    """
+    if directory is None or jax.config.jax_compilation_cache_dir:
+        return
+    if "://" not in directory:  # gs:// and other remote paths pass through
+        directory = str(pathlib.Path(directory).expanduser())
+    jax.config.update("jax_compilation_cache_dir", directory)
+
+
 def load_policy(config: Config, task: tasks.Task, mesh=None):
     """The policy model and its tokenizer: an HF checkpoint, or a preset initialised at random.
 
@@ -831,6 +846,7 @@ def train(
     `on_step(step, metrics)` is called after each step's metrics are written.
     """
     c = config
+    use_compilation_cache(c.train.compilation_cache)
     run_dir = pathlib.Path(c.train.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     distributed.check_shared_directory(run_dir)  # several hosts write one checkpoint
@@ -930,6 +946,7 @@ def evaluate(
     is 1) and up to `train.log_samples` (prompt, completion, reward) samples spread over the
     eval set.
     """
+    use_compilation_cache(config.train.compilation_cache)
     trainer = Trainer(config, task)
     try:
         if params is None:
@@ -1012,6 +1029,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError) as error:
         print(f"config error: {error}", file=sys.stderr)
         return 2
+    use_compilation_cache(config.train.compilation_cache)
     d = config.distributed
     distributed.initialize(
         d.initialize,

@@ -240,6 +240,21 @@ PRESETS: dict[str, ModelConfig] = {
         rope_theta=10_000.0,
         rms_norm_eps=1e-5,
     ),
+    # SmolLM2-135M's architecture: the workload of `python scripts/benchmark.py compare`.
+    "smollm2-135m": ModelConfig(
+        model_type="llama",
+        vocab_size=49_152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        rope_theta=100_000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        max_position_embeddings=8192,
+    ),
     # Shapes of released checkpoints (for memory planning; weights come from from_pretrained).
     "qwen2.5-0.5b": ModelConfig(
         model_type="qwen2",

@@ -5,10 +5,11 @@
     python scripts/benchmark.py models [...]    # = scripts/benchmark_models.py [...]
     python scripts/benchmark.py scaling [...]   # = scripts/benchmark_scaling.py [...]
     python scripts/benchmark.py memory [...]    # = scripts/benchmark_memory.py [...]
+    python scripts/benchmark.py compare [...]   # = scripts/benchmark_compare.py [...]
 
 `step` times full GRPO steps of the trainer (`jgrpo.train.Trainer`, the addition task, a
 randomly initialised preset): rollout, reward and update apart, completion tokens/s, and the
-update's achieved FLOP/s (XLA's cost analysis of the compiled update divided by its time) as
+update's achieved FLOP/s (FLOPs counted from the shapes, `forward_flops`, over its time) as
 a fraction of a matmul peak measured in the same run on the same device in the model's dtype
 (`--dtype`): the update's model FLOPs utilisation. Compilation is the first step, reported
 apart.
@@ -17,6 +18,7 @@ apart.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import runpy
 import statistics
 import sys
@@ -30,13 +32,35 @@ import numpy as np
 SCRIPTS = Path(__file__).resolve().parent
 
 
-def matmul_peak_flops(size: int = 2048, repeats: int = 5, dtype=jnp.float32) -> float:
-    """FLOP/s of one jitted [size, size] @ [size, size] in `dtype` (best of `repeats`)."""
+def matmul_peak_flops(size: int | None = None, repeats: int = 5, dtype=jnp.float32) -> float:
+    """FLOP/s of one jitted [size, size] @ [size, size] in `dtype` (best of `repeats`); the
+    default size is 2048 on CPU and 8192 on accelerators (smaller ones do not fill a GPU)."""
+    if size is None:
+        size = 2048 if jax.default_backend() == "cpu" else 8192
     a = jax.random.normal(jax.random.key(0), (size, size), dtype)
     matmul = jax.jit(lambda x: x @ x)
     matmul(a).block_until_ready()
     best = min(_timed(lambda: matmul(a).block_until_ready()) for _ in range(repeats))
     return 2 * size**3 / best
+
+
+def forward_flops(config, rows: int, length: int, scored: int) -> float:
+    """Matmul FLOPs of one training forward over `rows` sequences of `length` tokens, of which
+    the last `scored` are scored through the unembedding (the chunked log-probs).
+
+    Counted from the shapes, as MFU is usually defined (PaLM's appendix B): 2 FLOPs per
+    weight per token, plus attention's two products over all `length` keys. XLA's cost
+    analysis cannot be used: it counts a scanned layer stack's body once, not once per layer.
+    A backward pass costs twice its forward, so an update is 3x this.
+    """
+    e, m, d = config.hidden_size, config.intermediate_size, config.head_dim
+    h, kv = config.num_heads, config.num_kv_heads
+    per_layer = e * h * d * 2 + e * kv * d * 2 + 3 * e * m  # q, o, k, v, gate, up, down
+    attention = 2 * 2 * h * d * length  # q k^T and p v, per token and layer
+    tokens = rows * length
+    return config.num_layers * tokens * (2 * per_layer + attention) + rows * scored * 2 * e * (
+        config.vocab_size
+    )
 
 
 def _timed(run) -> float:
@@ -65,6 +89,8 @@ def benchmark_step(args: argparse.Namespace) -> None:
         ],
     )
     trainer = Trainer(config)
+    if args.full_length:  # every completion runs to --new-tokens: no stop tokens
+        trainer.sampling = dataclasses.replace(trainer.sampling, stop_token_ids=())
     params = trainer.model.params()
     ref = jax.tree.map(jnp.copy, params) if args.beta > 0 else None
     state = init_state(params, trainer.optimizer)
@@ -79,9 +105,10 @@ def benchmark_step(args: argparse.Namespace) -> None:
         start = time.perf_counter()
         groups, metrics, _ = trainer.collect(state.params, None, jax.random.key(step), 0)
         batch = trainer.to_batch(groups, trainer.advantages(groups))
-        if flops is None:
-            compiled = train_step.lower(state, batch, ref, **kwargs).compile()
-            flops = compiled.cost_analysis()["flops"]
+        if flops is None:  # forward + backward, and the reference forward when beta > 0
+            rows_, length = batch.input_ids.shape
+            forward = forward_flops(trainer.model_config, rows_, length, args.new_tokens)
+            flops = forward * (3 + (args.beta > 0))
         update_start = time.perf_counter()
         state, update = train_step(state, batch, ref, **kwargs)
         jax.block_until_ready(update)
@@ -113,7 +140,7 @@ def benchmark_step(args: argparse.Namespace) -> None:
     print(f"| step | {median['total']:.3f} | |\n")
     print(f"completion tokens/step (median): {median['tokens']:.0f}")
     print(f"completion tokens/s: {median['tokens'] / median['total']:.0f}")
-    print(f"update FLOPs (XLA cost analysis): {flops / 1e9:.2f} GFLOP")
+    print(f"update FLOPs (from the shapes, padding included): {flops / 1e9:.2f} GFLOP")
     print(
         f"update achieved {achieved / 1e9:.2f} GFLOP/s = {achieved / peak:.1%} of the "
         f"measured {args.dtype} matmul peak {peak / 1e9:.1f} GFLOP/s (the update's MFU)"
@@ -122,7 +149,7 @@ def benchmark_step(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in ("rollout", "models", "scaling", "memory"):
+    if argv and argv[0] in ("rollout", "models", "scaling", "memory", "compare"):
         script = SCRIPTS / f"benchmark_{argv[0]}.py"
         sys.argv = [str(script), *argv[1:]]
         sys.path.insert(0, str(SCRIPTS))
@@ -138,6 +165,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--beta", type=float, default=0.0)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument(
+        "--full-length", action="store_true", help="block the stop tokens: N tokens per row"
+    )
     args = parser.parse_args(argv)
     np.set_printoptions(precision=3)
     benchmark_step(args)

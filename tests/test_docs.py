@@ -22,6 +22,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import tomllib
 
 import pytest
 from tiny_hf import save_char_checkpoint
@@ -74,7 +75,11 @@ TINY_FLAGS = {
     "--rows-per-device": "2",
     "--prompt-tokens": "8",
     "--devices": "1,2",
+    "--model": "tiny",
+    "--workdir": "compare",
 }
+# Flags naming the peers' own environments (benchmark.py compare): jgrpo alone runs here.
+PEER_FLAGS = ("--trl-python", "--tunix-python")
 # Placeholders in the docs' commands and what stands in for them.
 PLACEHOLDERS = {"CONFIG": "configs/demo.yaml", "RUN_DIR": "runs/tiny", "OUT_DIR": "exported"}
 
@@ -281,6 +286,9 @@ def _check_script(script: str, args: list[str], workdir, run: bool) -> tuple | N
     if not run:
         return key
     if script.startswith("scripts/benchmark"):
+        for flag in PEER_FLAGS:
+            if flag in args:
+                del args[args.index(flag) : args.index(flag) + 2]
         args = _set_flags(args, {f: v for f, v in TINY_FLAGS.items() if f in known})
         if "memory" in args:  # trains the config: keep it tiny
             args += [o for o in _tiny_training([], "unused") if "run_dir" not in o]
@@ -298,11 +306,28 @@ def _check_script(script: str, args: list[str], workdir, run: bool) -> tuple | N
     return key
 
 
+def _check_peer_setup(words: list[str]) -> None:
+    """A peer's own environment for `benchmark.py compare`: never the project's, and the one
+    torch whose CPU wheel CI uses (any other torch pulls a CUDA build)."""
+    if words[:3] == ["python3", "-m", "venv"]:
+        return
+    assert words[0].endswith("/bin/pip") and words[1] == "install", words
+    assert "torch==2.13.0" in words, words
+    dependencies = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    for package in words[2:]:
+        name = re.split(r"[=<>]", package)[0]
+        assert name not in (".", "jgrpo"), "a peer environment must not hold jgrpo"
+        if name not in ("torch", "transformers"):  # peers' own packages: never ours
+            assert not any(d.startswith(name) for d in dependencies["dependencies"]), name
+
+
 def _check_setup(command: str) -> None:
     """`python3 -m venv ... && pip install ... && python -m ...`: what .ci/run does."""
     for part in (p.strip() for p in command.split("&&")):
         words = shlex.split(part)
-        if part.startswith("python3 -m venv") or part.startswith(". "):
+        if "/peers/" in part:
+            _check_peer_setup(words)
+        elif part.startswith("python3 -m venv") or part.startswith(". "):
             assert "-m venv" in CI and "activate" in CI
         elif words[:3] == ["pip", "install", "-e"]:  # the package; CI adds the test extra
             assert words[3] in (".", ".[test]") and 'pip install --quiet -e ".[test]"' in CI

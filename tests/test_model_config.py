@@ -74,6 +74,8 @@ def test_transformers_4_spelling_is_read():
 def test_param_count_of_a_known_checkpoint():
     # Qwen2.5-0.5B is published as 494M parameters (tied embeddings).
     assert round(preset("qwen2.5-0.5b").num_params / 1e6) == 494
+    # SmolLM2-135M: 134.5M parameters (tied embeddings), as transformers counts them.
+    assert preset("smollm2-135m").num_params == 134_515_008
 
 
 @pytest.mark.parametrize(

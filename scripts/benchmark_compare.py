@@ -1,0 +1,230 @@
+"""One GRPO step of a fixed workload, timed for jgrpo and its peers side by side.
+
+    python scripts/benchmark.py compare [--model smollm2-135m|tiny] [--steps 3]
+        [--trl-python PATH] [--tunix-python PATH] [--workdir DIR]
+
+The workload (`compare_workload.py`): 4 chat prompts of 39 tokens, G = 8, exactly 64 new
+tokens, temperature 1, beta 0.04, one optimizer step (mu = 1), AdamW, f32, on random weights
+of the SmolLM2-135M architecture (or the tiny test model) written once as an HF checkpoint that
+every library loads. Each library runs in its own fresh process: jgrpo with this Python,
+TRL and Tunix with the Python of their own virtual environments (never project dependencies;
+docs/benchmarks.md says how to make them) when the flags name one. Each prints a `RESULT`
+JSON line: the first step (compilation / warm-up) apart, then per-step seconds of the whole
+step, sampling, the reference pass and the update; the table shows medians and each peer's
+time over jgrpo's.
+
+jgrpo's step is `jgrpo.train.Trainer.step`, the training loop's own step. Its reference pass
+runs inside the update program, so its column is that pass compiled on its own and timed on
+the step's batch, next to a plain forward (logits) over the same batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SCRIPTS = Path(__file__).resolve().parent
+sys.path.insert(0, str(SCRIPTS))
+
+import compare_workload as workload  # noqa: E402
+
+STAGES = ("step_s", "sampling_s", "reference_s", "update_s")
+
+
+def jgrpo_config(checkpoint: Path, steps: int):
+    from jgrpo.config import load_config
+
+    return load_config(
+        None,
+        [
+            f"model.path={checkpoint}",
+            "model.dtype=float32",
+            f"rollout.prompts_per_step={workload.PROMPTS}",
+            f"rollout.num_generations={workload.GENERATIONS}",
+            f"rollout.max_new_tokens={workload.NEW_TOKENS}",
+            "rollout.max_prompt_length=39",
+            f"rollout.temperature={workload.TEMPERATURE}",
+            f"algorithm.beta={workload.BETA}",
+            "algorithm.num_iterations=1",
+            "algorithm.num_minibatches=1",
+            f"optim.lr={workload.LEARNING_RATE}",
+            f"train.steps={steps}",
+            "task.reward_workers=0",  # a cheap verifier: in-process
+            "mesh.devices=1",
+        ],
+    )
+
+
+def run_jgrpo(checkpoint: Path, steps: int) -> dict:
+    """`steps` + 1 trainer steps of the workload (the first compiles); per-stage seconds."""
+    import jax
+    import jax.numpy as jnp
+    from benchmark import forward_flops, matmul_peak_flops
+
+    from jgrpo.tasks import Task
+    from jgrpo.train import Trainer
+
+    examples = [{"prompt": prompt} for prompt in workload.prompts()]
+    task = Task(
+        name="compare",
+        train=examples,
+        eval=examples,
+        reward_fns={"distinct_words": workload.distinct_words_reward},
+        reward_weights={"distinct_words": 1.0},
+        correctness="distinct_words",
+    )
+    trainer = Trainer(jgrpo_config(checkpoint, steps + 1), task)
+    # Exactly NEW_TOKENS per completion: no stop tokens (benchmark only).
+    trainer.sampling = dataclasses.replace(trainer.sampling, stop_token_ids=())
+    params = trainer.initial_params()
+    ref_params = jax.tree.map(jnp.copy, params)
+    state = trainer.initial_state(params)
+    rows, position = [], 0
+    for step in range(steps + 1):
+        state, metrics, position = trainer.step(state, ref_params, step, position)
+        rows.append(metrics)
+    warmup, timed = rows[0], rows[1:]
+
+    # The reference pass and a plain forward, each compiled alone, on one step's batch.
+    key = jax.random.key(steps + 1)
+    groups, _, _ = trainer.collect(state.params, ref_params, key, position)
+    batch = trainer.to_batch(groups, trainer.advantages(groups))
+    reference_s = _median_time(lambda: trainer.frozen_logprobs(ref_params, batch), steps)
+    forward_s = _median_time(lambda: _logits(ref_params, batch, trainer.model_config), steps)
+    rows, length = batch.input_ids.shape
+    forward = forward_flops(trainer.model_config, rows, length, workload.NEW_TOKENS)
+    return {
+        "library": f"jgrpo (jax {jax.__version__})",
+        "warmup_s": warmup["time/step"],
+        "step_s": [m["time/step"] for m in timed],
+        "sampling_s": [m["time/rollout"] for m in timed],
+        "reward_s": [m["time/reward"] for m in timed],
+        "reference_s": [reference_s] * len(timed),
+        "reference_in_update": True,
+        "update_s": [m["time/update"] for m in timed],
+        "completion_tokens": [int(m["completion_len/mean"] * len(groups.rewards)) for m in timed],
+        "plain_forward_s": forward_s,
+        "update_flops": 3 * forward,  # forward + backward
+        "reference_flops": forward,
+        "matmul_peak_flops": matmul_peak_flops(),
+    }
+
+
+def _logits(params, batch, model_config):
+    import jax
+
+    from models.transformer import forward
+
+    program = _logits.__dict__.setdefault(
+        "program",
+        jax.jit(lambda p, ids, mask: forward(p, ids, attention_mask=mask, config=model_config)),
+    )
+    return program(params, batch.input_ids, batch.attention_mask)
+
+
+def _median_time(run, repeats: int) -> float:
+    import jax
+
+    jax.block_until_ready(run())  # compile
+    times = []
+    for _ in range(max(repeats, 1)):
+        start = time.perf_counter()
+        jax.block_until_ready(run())
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def run_library(name: str, python: str, checkpoint: Path, steps: int) -> dict | None:
+    """Runs one library's step script in a fresh process and parses its RESULT line."""
+    if name == "jgrpo":
+        command = [python, __file__, "--_library", "jgrpo"]
+    else:
+        command = [python, str(SCRIPTS / "peers" / f"{name}_step.py")]
+    command += ["--checkpoint", str(checkpoint), "--steps", str(steps)]
+    print(f"running {name}: {' '.join(command)}", file=sys.stderr, flush=True)
+    done = subprocess.run(command, capture_output=True, text=True)
+    results = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode != 0 or not results:
+        print(f"{name} failed (exit {done.returncode}):\n{done.stderr[-3000:]}", file=sys.stderr)
+        return None
+    return json.loads(results[-1].removeprefix("RESULT "))
+
+
+def table(results: list[dict]) -> str:
+    """Medians per stage; each peer's step over jgrpo's (the first result)."""
+    ours = statistics.median(results[0]["step_s"])
+    lines = [
+        "| library | step | sampling | reference pass | update | warm-up | step / jgrpo |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for result in results:
+        cells = []
+        for stage in STAGES:
+            values = result.get(stage)
+            cells.append(f"{statistics.median(values):.3f} s" if values else "-")
+        if result.get("reference_in_update"):  # timed alone; the update column includes it
+            cells[2] += " (in update)"
+        step = statistics.median(result["step_s"])
+        lines.append(
+            f"| {result['library']} | {' | '.join(cells)} | {result['warmup_s']:.1f} s "
+            f"| {step / ours:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m", choices=sorted(workload.ARCHITECTURES))
+    parser.add_argument("--steps", type=int, default=3, help="timed steps after the first")
+    parser.add_argument("--trl-python", help="the python of a virtual env with TRL installed")
+    parser.add_argument("--tunix-python", help="the python of a virtual env with Tunix installed")
+    parser.add_argument("--workdir", default="/tmp/jgrpo-compare", help="where the checkpoint is")
+    parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
+    parser.add_argument("--_library", help=argparse.SUPPRESS)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args._library == "jgrpo":  # the child process
+        print("RESULT " + json.dumps(run_jgrpo(Path(args.checkpoint), args.steps)), flush=True)
+        return 0
+
+    checkpoint = workload.build_checkpoint(Path(args.workdir) / args.model, args.model)
+    libraries = [("jgrpo", sys.executable)]
+    libraries += [
+        (name, python)
+        for name, python in (("tunix", args.tunix_python), ("trl", args.trl_python))
+        if python
+    ]
+    results = [run_library(name, python, checkpoint, args.steps) for name, python in libraries]
+    if results[0] is None:
+        return 1
+    results = [r for r in results if r is not None]
+    ours = results[0]
+    print(
+        f"GRPO step, {args.model} architecture (random weights), {workload.PROMPTS} prompts x "
+        f"G={workload.GENERATIONS}, {workload.NEW_TOKENS} new tokens, beta {workload.BETA}, "
+        f"f32; medians of {args.steps} steps after the first\n"
+    )
+    print(table(results))
+    peak = ours["matmul_peak_flops"]
+    update = statistics.median(ours["update_s"])  # the reference pass runs inside it
+    reference = ours["reference_s"][0]
+    flops = ours["update_flops"] + ours["reference_flops"]
+    print(
+        f"\njgrpo: {ours['completion_tokens'][0]} completion tokens per step; reward "
+        f"{statistics.median(ours['reward_s']):.3f} s; reference pass {reference:.3f} s next to "
+        f"a plain forward (logits) {ours['plain_forward_s']:.3f} s. The update program "
+        f"(reference pass, forward, backward, AdamW): {flops / 1e9:.1f} GFLOP counted from the "
+        f"shapes in {update:.3f} s = {flops / update / 1e9:.1f} GFLOP/s, "
+        f"{flops / update / peak:.0%} of the f32 matmul peak measured in the same process "
+        f"({peak / 1e9:.1f} GFLOP/s)."
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

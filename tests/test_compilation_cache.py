@@ -1,0 +1,51 @@
+"""train.compilation_cache: a second run of the same config reads its programs back."""
+
+import os
+import subprocess
+import sys
+
+RUN = """
+import sys
+import jax
+
+hits = []
+jax.monitoring.register_event_listener(
+    lambda event, **_: hits.append(event) if event == "/jax/compilation_cache/cache_hits" else None
+)
+from jgrpo.config import DEMO_OVERRIDES, load_config
+from jgrpo.train import train
+
+run_dir, cache = sys.argv[1:]
+overrides = [
+    "train.steps=1", "train.eval_every=0", "train.export=false", "train.progress=false",
+    "train.tensorboard=false", f"train.run_dir={run_dir}", f"train.compilation_cache={cache}",
+]
+train(load_config(None, [*DEMO_OVERRIDES, *overrides]))
+print("CACHE_HITS", len(hits))
+"""
+
+
+def run_once(run_dir, cache) -> int:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_PERSISTENT_CACHE")}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)  # the tests' own cache: this one is the config's
+    done = subprocess.run(
+        [sys.executable, "-c", RUN, str(run_dir), str(cache)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return int(done.stdout.split("CACHE_HITS")[-1])
+
+
+def test_a_second_run_compiles_nothing_the_first_cached(tmp_path):
+    cache = tmp_path / "cache"
+    assert run_once(tmp_path / "first", cache) == 0
+    cached = sorted(p.name for p in cache.iterdir())
+    # At least the rollout and the update compile for longer than JAX's 1 s threshold.
+    assert len(cached) >= 2
+    # The second run (a fresh run directory, so not a resume) reads every one of them back
+    # and adds nothing: no program it needs was missing.
+    assert run_once(tmp_path / "second", cache) == len(cached)
+    assert sorted(p.name for p in cache.iterdir()) == cached
