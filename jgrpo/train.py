@@ -1029,7 +1029,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError) as error:
         print(f"config error: {error}", file=sys.stderr)
         return 2
-    use_compilation_cache(config.train.compilation_cache)
     d = config.distributed
     distributed.initialize(
         d.initialize,

@@ -106,8 +106,7 @@ def benchmark_step(args: argparse.Namespace) -> None:
         groups, metrics, _ = trainer.collect(state.params, None, jax.random.key(step), 0)
         batch = trainer.to_batch(groups, trainer.advantages(groups))
         if flops is None:  # forward + backward, and the reference forward when beta > 0
-            rows_, length = batch.input_ids.shape
-            forward = forward_flops(trainer.model_config, rows_, length, args.new_tokens)
+            forward = forward_flops(trainer.model_config, *batch.input_ids.shape, args.new_tokens)
             flops = forward * (3 + (args.beta > 0))
         update_start = time.perf_counter()
         state, update = train_step(state, batch, ref, **kwargs)

@@ -61,14 +61,15 @@ def jgrpo_config(checkpoint: Path, steps: int):
     )
 
 
-def run_jgrpo(checkpoint: Path, steps: int) -> dict:
-    """`steps` + 1 trainer steps of the workload (the first compiles); per-stage seconds."""
+def run_jgrpo(checkpoint: Path, steps: int) -> str:
+    """`steps` + 1 trainer steps of the workload (the first compiles): the RESULT line."""
     import jax
     import jax.numpy as jnp
     from benchmark import forward_flops, matmul_peak_flops
 
     from jgrpo.tasks import Task
     from jgrpo.train import Trainer
+    from models.transformer import forward
 
     examples = [{"prompt": prompt} for prompt in workload.prompts()]
     task = Task(
@@ -85,47 +86,46 @@ def run_jgrpo(checkpoint: Path, steps: int) -> dict:
     params = trainer.initial_params()
     ref_params = jax.tree.map(jnp.copy, params)
     state = trainer.initial_state(params)
-    rows, position = [], 0
+    metrics, position = [], 0
     for step in range(steps + 1):
-        state, metrics, position = trainer.step(state, ref_params, step, position)
-        rows.append(metrics)
-    warmup, timed = rows[0], rows[1:]
+        state, step_metrics, position = trainer.step(state, ref_params, step, position)
+        metrics.append(step_metrics)
 
     # The reference pass and a plain forward, each compiled alone, on one step's batch.
     key = jax.random.key(steps + 1)
     groups, _, _ = trainer.collect(state.params, ref_params, key, position)
     batch = trainer.to_batch(groups, trainer.advantages(groups))
     reference_s = _median_time(lambda: trainer.frozen_logprobs(ref_params, batch), steps)
-    forward_s = _median_time(lambda: _logits(ref_params, batch, trainer.model_config), steps)
-    rows, length = batch.input_ids.shape
-    forward = forward_flops(trainer.model_config, rows, length, workload.NEW_TOKENS)
-    return {
-        "library": f"jgrpo (jax {jax.__version__})",
-        "warmup_s": warmup["time/step"],
-        "step_s": [m["time/step"] for m in timed],
-        "sampling_s": [m["time/rollout"] for m in timed],
-        "reward_s": [m["time/reward"] for m in timed],
-        "reference_s": [reference_s] * len(timed),
-        "reference_in_update": True,
-        "update_s": [m["time/update"] for m in timed],
-        "completion_tokens": [int(m["completion_len/mean"] * len(groups.rewards)) for m in timed],
-        "plain_forward_s": forward_s,
-        "update_flops": 3 * forward,  # forward + backward
-        "reference_flops": forward,
-        "matmul_peak_flops": matmul_peak_flops(),
-    }
-
-
-def _logits(params, batch, model_config):
-    import jax
-
-    from models.transformer import forward
-
-    program = _logits.__dict__.setdefault(
-        "program",
-        jax.jit(lambda p, ids, mask: forward(p, ids, attention_mask=mask, config=model_config)),
+    forward_s = _median_time(
+        lambda: forward(
+            ref_params,
+            batch.input_ids,
+            attention_mask=batch.attention_mask,
+            config=trainer.model_config,
+        ),
+        steps,
     )
-    return program(params, batch.input_ids, batch.attention_mask)
+    rows, length = batch.input_ids.shape
+    flops = forward_flops(trainer.model_config, rows, length, workload.NEW_TOKENS)
+    return workload.result_line(
+        f"jgrpo (jax {jax.__version__})",
+        [
+            {
+                "step": m["time/step"],
+                "sampling": m["time/rollout"],
+                "reference": reference_s,
+                "update": m["time/update"],
+            }
+            for m in metrics
+        ],
+        [round(m["completion_len/mean"] * rows) for m in metrics],
+        reference_in_update=True,
+        reward_s=[m["time/reward"] for m in metrics[1:]],
+        plain_forward_s=forward_s,
+        update_flops=3 * flops,  # forward + backward
+        reference_flops=flops,
+        matmul_peak_flops=matmul_peak_flops(),
+    )
 
 
 def _median_time(run, repeats: int) -> float:
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--_library", help=argparse.SUPPRESS)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if args._library == "jgrpo":  # the child process
-        print("RESULT " + json.dumps(run_jgrpo(Path(args.checkpoint), args.steps)), flush=True)
+        print(run_jgrpo(Path(args.checkpoint), args.steps), flush=True)
         return 0
 
     checkpoint = workload.build_checkpoint(Path(args.workdir) / args.model, args.model)

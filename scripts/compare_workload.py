@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import pathlib
 import random
+import time
 
 PROMPTS = 4
 GENERATIONS = 8
@@ -125,3 +126,35 @@ def build_checkpoint(directory: str | pathlib.Path, model: str = "smollm2-135m")
     make_tokenizer(architecture["vocab_size"]).save_pretrained(directory)
     marker.write_text(json.dumps(description))
     return directory
+
+
+def timed(method, on_done):
+    """Wraps a bound method of a library under test: on_done(start, args, result) after each
+    call, where `start` is the call's time.perf_counter() (so a JAX caller can block on the
+    result before reading the clock)."""
+
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        out = method(*args, **kwargs)
+        on_done(start, args, out)
+        return out
+
+    return wrapper
+
+
+def result_line(library: str, steps: list[dict], tokens: list[int], **extra) -> str:
+    """The `RESULT {json}` line every library's run prints: the first step (warm-up) apart,
+    then per-step seconds of each stage of the others; `steps` hold "step", "sampling",
+    "reference" and "update" seconds, `tokens` the completion tokens of each step."""
+    first, timed_steps = steps[0], steps[1:]
+    result = {
+        "library": library,
+        "warmup_s": first["step"],
+        **{
+            f"{key}_s": [s[key] for s in timed_steps]
+            for key in ("step", "sampling", "reference", "update")
+        },
+        "completion_tokens": tokens[1:],
+        **extra,
+    }
+    return "RESULT " + json.dumps(result)

@@ -1,6 +1,8 @@
 """ModelConfig: HF config translation both ways, presets, and validation."""
 
 import dataclasses
+import pathlib
+import sys
 
 import pytest
 import transformers
@@ -76,6 +78,18 @@ def test_param_count_of_a_known_checkpoint():
     assert round(preset("qwen2.5-0.5b").num_params / 1e6) == 494
     # SmolLM2-135M: 134.5M parameters (tied embeddings), as transformers counts them.
     assert preset("smollm2-135m").num_params == 134_515_008
+
+
+def test_the_smollm2_preset_is_the_compare_benchmarks_architecture():
+    """scripts/compare_workload.py writes the checkpoint every library loads from its own HF
+    config (it must import without jax); the preset must describe the same model."""
+    sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "scripts"))
+    from compare_workload import SMOLLM2_135M
+
+    ours = preset("smollm2-135m")
+    loaded = ModelConfig.from_hf_config({"model_type": "llama", **SMOLLM2_135M})
+    ids = dict(bos_token_id=ours.bos_token_id, eos_token_id=ours.eos_token_id)
+    assert loaded.replace(**ids, pad_token_id=ours.pad_token_id) == ours
 
 
 @pytest.mark.parametrize(

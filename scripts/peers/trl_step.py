@@ -24,7 +24,6 @@ Prints one final line `RESULT {json}`.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -53,18 +52,6 @@ class StepTimer(TrainerCallback):
         row["step"] = end - row["start"]
         row["update"] = end - row["prepared"]
         self.rows.append(row)
-
-
-def timed(method, on_done):
-    """Wraps a bound method: calls on_done(seconds, args, result) after each call."""
-
-    def wrapper(*args, **kwargs):
-        start = time.perf_counter()
-        out = method(*args, **kwargs)
-        on_done(time.perf_counter() - start, args, out)
-        return out
-
-    return wrapper
 
 
 def main() -> None:
@@ -113,35 +100,25 @@ def main() -> None:
 
     tokens = []
 
-    def on_generate(seconds, _, out):
-        timer.current["sampling"] += seconds
+    def on_generate(start, _, out):
+        timer.current["sampling"] += time.perf_counter() - start
 
-    def on_logps(seconds, call_args, _):
+    def on_logps(start, call_args, _):
         if call_args[0] is trainer.ref_model:
-            timer.current["reference"] += seconds
+            timer.current["reference"] += time.perf_counter() - start
 
-    def on_prepared(seconds, _, inputs):
+    def on_prepared(start, _, inputs):
         timer.current["prepared"] = time.perf_counter()
         tokens.append(int(inputs["completion_mask"].sum()))
 
-    trainer.model.generate = timed(trainer.model.generate, on_generate)
-    trainer._get_per_token_logps_and_entropies = timed(
+    trainer.model.generate = workload.timed(trainer.model.generate, on_generate)
+    trainer._get_per_token_logps_and_entropies = workload.timed(
         trainer._get_per_token_logps_and_entropies, on_logps
     )
-    trainer._prepare_inputs = timed(trainer._prepare_inputs, on_prepared)
+    trainer._prepare_inputs = workload.timed(trainer._prepare_inputs, on_prepared)
     trainer.train()
 
-    first, rows = timer.rows[0], timer.rows[1:]
-    result = {
-        "library": f"TRL {trl.__version__}",
-        "warmup_s": first["step"],
-        **{
-            f"{key}_s": [r[key] for r in rows]
-            for key in ("step", "sampling", "reference", "update")
-        },
-        "completion_tokens": tokens[1:],
-    }
-    print("RESULT " + json.dumps(result))
+    print(workload.result_line(f"TRL {trl.__version__}", timer.rows, tokens))
 
 
 if __name__ == "__main__":

@@ -77,18 +77,6 @@ def model_config(checkpoint: Path) -> llama3.ModelConfig:
     )
 
 
-def timed(method, on_done):
-    """Wraps a bound method: calls on_done(start_time, result) after each call."""
-
-    def wrapper(*args, **kwargs):
-        start = time.perf_counter()
-        out = method(*args, **kwargs)
-        on_done(start, out)
-        return out
-
-    return wrapper
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", required=True)
@@ -157,46 +145,36 @@ def main() -> None:
     def actor_params():
         return nnx.state(cluster.actor_trainer.model, nnx.Param)
 
-    def on_step(start, _):
+    def on_step(start, _args, _):
         jax.block_until_ready(actor_params())
         rows[-1]["step"] = time.perf_counter() - start
 
-    def on_generate(start, out):
+    def on_generate(start, _args, out):
         rows[-1]["sampling"] = time.perf_counter() - start
         tokens.append(sum(len(t) for t in out.tokens))  # generated, before Tunix's pad mask
 
-    def on_reference(start, out):
+    def on_reference(start, _args, out):
         jax.block_until_ready(out)
         rows[-1]["reference"] = time.perf_counter() - start
 
-    def on_update(start, _):
+    def on_update(start, _args, _):
         jax.block_until_ready(actor_params())
         rows[-1]["update"] = time.perf_counter() - start
 
-    run_global_step = timed(learner._run_global_step, on_step)
+    run_global_step = workload.timed(learner._run_global_step, on_step)
 
     def global_step(*a, **k):
         rows.append({})
         return run_global_step(*a, **k)
 
     learner._run_global_step = global_step
-    cluster.generate = timed(cluster.generate, on_generate)
-    cluster.get_ref_per_token_logps = timed(cluster.get_ref_per_token_logps, on_reference)
-    cluster.update_actor = timed(cluster.update_actor, on_update)
+    cluster.generate = workload.timed(cluster.generate, on_generate)
+    cluster.get_ref_per_token_logps = workload.timed(cluster.get_ref_per_token_logps, on_reference)
+    cluster.update_actor = workload.timed(cluster.update_actor, on_update)
 
     learner.train([{"prompts": np.array(texts)}] * steps)
 
-    first, rows = rows[0], rows[1:]
-    result = {
-        "library": f"Tunix {version('google-tunix')}",
-        "warmup_s": first["step"],
-        **{
-            f"{key}_s": [r[key] for r in rows]
-            for key in ("step", "sampling", "reference", "update")
-        },
-        "completion_tokens": tokens[1:],
-    }
-    print("RESULT " + json.dumps(result))
+    print(workload.result_line(f"Tunix {version('google-tunix')}", rows, tokens))
 
 
 if __name__ == "__main__":
