@@ -407,16 +407,19 @@ def grouped_query_attention(q, k, v, mask):
     """softmax(q k^T / sqrt(D)) v with H = K * G query heads sharing each kv head.
 
     q [B, T, H, D]; k, v [B, K, S, D]; mask bool[B, T, S]. Scores and softmax in f32.
+    The G query heads of a kv head are laid out as G x T rows of one matrix, so scores and
+    output are plain batched matmuls over (B, K) with the key axis contiguous.
     """
     batch, length, heads, dim = q.shape
     kv_heads = k.shape[1]
-    q = q.reshape(batch, length, kv_heads, heads // kv_heads, dim)  # [B, T, K, G, D]
-    scores = jnp.einsum("btkgd,bksd->bkgts", q, k, preferred_element_type=jnp.float32)
+    per_kv = heads // kv_heads
+    q = q.reshape(batch, length, kv_heads, per_kv, dim).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, D]
+    scores = jnp.einsum("bkgtd,bksd->bkgts", q, k, preferred_element_type=jnp.float32)
     scores = scores * (dim**-0.5)
     scores = jnp.where(mask[:, None, None], scores, _MASKED)  # [B, K, G, T, S]
     probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bkgts,bksd->btkgd", probs.astype(v.dtype), v)
-    return out.reshape(batch, length, heads, dim)
+    out = jnp.einsum("bkgts,bksd->bkgtd", probs.astype(v.dtype), v)  # [B, K, G, T, D]
+    return out.transpose(0, 3, 1, 2, 4).reshape(batch, length, heads, dim)
 
 
 def _default_mask(mask, shape, expected):
