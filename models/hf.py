@@ -49,6 +49,7 @@ PARAM_TO_HF: dict[str, str] = {
     "layers.gate_kernel": _LAYER + "mlp.gate_proj.weight",
     "layers.up_kernel": _LAYER + "mlp.up_proj.weight",
     "layers.down_kernel": _LAYER + "mlp.down_proj.weight",
+    "score": "score.weight",  # the head of *ForSequenceClassification (reward models)
 }
 # Tensors some checkpoints carry that hold nothing to load (recomputed buffers).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -92,7 +93,7 @@ def _hf_names(path: str, config: ModelConfig) -> list[str]:
 
 def _hf_shape(path: str, shape: tuple[int, ...]) -> tuple[int, ...]:
     """HF layout of one (per-layer) parameter: kernels are [out, in], the rest flattened."""
-    if path.endswith("kernel") or path == "lm_head":
+    if path.endswith("kernel") or path in ("lm_head", "score"):
         inputs = shape[0] if path != "layers.o_kernel" else shape[0] * shape[1]
         return (int(np.prod(shape)) // inputs, inputs)
     if path.endswith("bias"):
@@ -192,11 +193,24 @@ def from_pretrained(
     config = read_config(directory)
     files = _tensor_files(directory)
     shapes = _param_shapes(config)
-    expected = {name for p in shapes for name in _hf_names(p, config)}
-    _check_names(expected, set(files), directory, config.tie_word_embeddings)
-
     abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0), param_dtype=dtype))
     graphdef, state = nnx.split(abstract)
+    for param_path, value in read_parameters(directory, files, config, shapes, dtype, shardings):
+        _state_leaf(state, param_path).set_value(value)
+    model = nnx.merge(graphdef, state)
+    model.source_dir = str(directory)
+    return model
+
+
+def read_parameters(directory, files, config: ModelConfig, shapes, dtype, shardings=None):
+    """Yields (path, device array) for every parameter in `shapes` (paths of PARAM_TO_HF),
+    after checking that the checkpoint holds exactly those tensors with those shapes.
+
+    Each tensor is read into one stacked host buffer per parameter that goes to the device
+    (or to its shards, `shardings` being a pytree of shardings keyed like the paths) before
+    the next is read."""
+    expected = {name for p in shapes for name in _hf_names(p, config)}
+    _check_names(expected, set(files), directory, config.tie_word_embeddings)
     np_dtype = np.dtype(jnp.dtype(dtype))
     for path, shape in shapes.items():
         names = _hf_names(path, config)
@@ -217,11 +231,8 @@ def from_pretrained(
         sharding = None
         if shardings is not None:
             sharding = functools.reduce(lambda node, key: node[key], path.split("."), shardings)
-        _state_leaf(state, path).set_value(jax.device_put(buffer, sharding))
+        yield path, jax.device_put(buffer, sharding)
         del buffer
-    model = nnx.merge(graphdef, state)
-    model.source_dir = str(directory)
-    return model
 
 
 def _state_leaf(state, path: str):

@@ -87,8 +87,9 @@ API = (
     ),
     (
         "Models",
-        "Flax NNX decoders (Llama, Qwen2/2.5, Qwen3) and Hugging Face checkpoint import and "
-        "export. Shapes: E hidden size, K key/value heads, D head dim, S cache slots.",
+        "Flax NNX decoders (Llama, Qwen2/2.5, Qwen3), Hugging Face checkpoint import and "
+        "export, and sequence-classification reward models. Shapes: E hidden size, K "
+        "key/value heads, D head dim, S cache slots.",
         (
             "models.from_pretrained",
             "models.save_pretrained",
@@ -101,6 +102,8 @@ API = (
             "models.preset",
             "models.PRESETS",
             "models.CheckpointError",
+            "models.load_reward_model",
+            "models.RewardModel",
         ),
     ),
 )
