@@ -4,6 +4,7 @@ import json
 import pathlib
 import re
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -18,8 +19,9 @@ from transformers import (
     Qwen3ForSequenceClassification,
 )
 
+from jgrpo.sharding import make_mesh, row_shardings, rules_context, tree_shardings
 from models.hf import CheckpointError
-from models.reward_model import last_token_index, load_reward_model
+from models.reward_model import last_token_index, load_reward_model, reward_param_axes
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PAD = 0
@@ -106,6 +108,27 @@ def test_a_checkpoint_without_pad_token_uses_the_mask(tmp_path):
                 for i, r in enumerate(ROWS)]  # fmt: skip
     scores = reward_model(jnp.asarray(ids, jnp.int32), jnp.asarray(mask, jnp.int32))
     np.testing.assert_allclose(scores, expected, atol=1e-4, rtol=0)
+
+
+def test_sharded_like_the_policy_scores_like_one_device(tmp_path):
+    save_classifier("qwen3", tmp_path)
+    plain = load_reward_model(tmp_path)
+    mesh = make_mesh((2, 2, 2))
+    shardings = tree_shardings(plain.params, reward_param_axes(plain.config), mesh)
+    sharded = load_reward_model(tmp_path, shardings=shardings)
+    for leaf, sharding in zip(
+        jax.tree.leaves(sharded.params), jax.tree.leaves(shardings), strict=True
+    ):
+        assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim)
+    q = sharded.params["layers"]["q_kernel"]  # [L, E, H, D]: E over fsdp, H over tensor
+    assert q.sharding.shard_shape(q.shape) == (q.shape[0], q.shape[1] // 2, q.shape[2] // 2, 32)
+    score = sharded.params["score"]  # [E, 1]: E over fsdp
+    assert score.sharding.shard_shape(score.shape) == (score.shape[0] // 2, 1)
+    _, row_matrix = row_shardings(mesh)
+    ids, mask = (jnp.asarray(a, jnp.int32) for a in padded("left"))
+    with rules_context(mesh):
+        scores = sharded(jax.device_put(ids, row_matrix), jax.device_put(mask, row_matrix))
+    np.testing.assert_allclose(scores, plain(ids, mask), atol=1e-5, rtol=0)
 
 
 def test_bf16_reward_model_is_close_to_f32(tmp_path):
