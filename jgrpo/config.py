@@ -198,6 +198,35 @@ class TaskSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class RewardModelSection:
+    """A learned reward model (an HF sequence classifier) scored as one more reward function."""
+
+    path: str | None = option(
+        None, "HF *ForSequenceClassification checkpoint dir or hub name; None: no reward model"
+    )
+    name: str = option("reward_model", "its reward's name: metrics reward/<name>")
+    weight: float = option(1.0, "its weight in the total reward")
+    dtype: str = option("bfloat16", "its parameter dtype: bfloat16 or float32")
+    batch_size: int = option(16, "sequences scored per jitted call")
+    max_length: int = option(2048, "longest prompt + completion in its tokens (longer: None)")
+    scale: float = option(1.0, "reward = scale * score + shift: a fixed affine normalisation")
+    shift: float = option(0.0, "added after scale")
+
+    def check(self):
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ConfigError(
+                f"reward_model.dtype must be 'float32' or 'bfloat16', got {self.dtype!r}."
+            )
+        if self.batch_size < 1 or self.max_length < 1:
+            raise ConfigError(
+                "reward_model.batch_size and reward_model.max_length must be >= 1; got "
+                f"{self.batch_size}, {self.max_length}."
+            )
+        if not self.name:
+            raise ConfigError("reward_model.name must be a non-empty string.")
+
+
+@dataclasses.dataclass(frozen=True)
 class OptimSection:
     """AdamW after global-norm clipping, with linear warmup then a constant or cosine lr."""
 
@@ -321,6 +350,7 @@ class Config:
 
     model: ModelSection = dataclasses.field(default_factory=ModelSection)
     task: TaskSection = dataclasses.field(default_factory=TaskSection)
+    reward_model: RewardModelSection = dataclasses.field(default_factory=RewardModelSection)
     rollout: RolloutSection = dataclasses.field(default_factory=RolloutSection)
     algorithm: AlgorithmSection = dataclasses.field(default_factory=AlgorithmSection)
     optim: OptimSection = dataclasses.field(default_factory=OptimSection)
@@ -345,6 +375,7 @@ class Config:
 _SECTIONS = {
     "model": ModelSection,
     "task": TaskSection,
+    "reward_model": RewardModelSection,
     "rollout": RolloutSection,
     "algorithm": AlgorithmSection,
     "optim": OptimSection,

@@ -3,11 +3,12 @@
     python -m jgrpo.plan [CONFIG.yaml] [key=value ...] [--budget-gib 16]
 
 The rollout and the update are compiled ahead of time for the config's mesh (nothing runs).
-Parameters, optimizer state and the reference model are the per-device shards of their
-arrays; the KV cache comes from its shapes; the scratch memory of each program (activations,
-gradients, the cache) from XLA's own memory analysis of the compiled program. The peak is the
-larger of the two phases. With a budget, the report also names the largest micro-batch
-(rows per forward and backward pass, set by algorithm.grad_accumulation) that fits.
+Parameters, optimizer state, the reference model and a learned reward model are the
+per-device shards of their arrays; the KV cache comes from its shapes; the scratch memory of
+each program (activations, gradients, the cache) from XLA's own memory analysis of the
+compiled program. The peak is the larger of the two phases. With a budget, the report also
+names the largest micro-batch (rows per forward and backward pass, set by
+algorithm.grad_accumulation) that fits.
 
 `python -m jgrpo.train` runs the same check before step 1 when it knows a budget (the
 device's memory limit on GPU and TPU, or mesh.memory_budget_gib) and stops with this report
@@ -49,11 +50,12 @@ class MemoryPlan:
     update_scratch: int  # the compiled update's temporaries (activations, gradients)
     batch: int  # one rollout batch as the update receives it
     micro_batch_rows: int
+    reward_model: int = 0  # a learned reward model's parameters (reward_model.path)
     fits: dict[int, int] = dataclasses.field(default_factory=dict)  # micro rows -> peak
 
     @property
     def resident(self) -> int:
-        return self.parameters + self.optimizer + self.reference
+        return self.parameters + self.optimizer + self.reference + self.reward_model
 
     @property
     def rollout_peak(self) -> int:
@@ -79,6 +81,7 @@ class MemoryPlan:
             f"  parameters       {_gib(self.parameters)}",
             f"  optimizer state  {_gib(self.optimizer)}",
             f"  reference model  {_gib(self.reference)}",
+            *([f"  reward model     {_gib(self.reward_model)}"] if self.reward_model else []),
             f"  rollout scratch  {_gib(self.rollout_scratch)}  (KV cache {_gib(self.kv_cache)})",
             f"  update scratch   {_gib(self.update_scratch)}  "
             f"(micro-batch of {self.micro_batch_rows} rows; batch {_gib(self.batch)})",
@@ -179,6 +182,7 @@ def plan_memory(trainer, micro_batch_candidates: Sequence[int] = ()) -> MemoryPl
         update_scratch=update_scratch(trainer.update_config),
         batch=shard_bytes(batch),
         micro_batch_rows=micro_rows,
+        reward_model=reward_model_bytes(c, mesh),
     )
     plan.fits[micro_rows] = plan.update_peak
     for candidate in micro_batch_candidates:
@@ -190,6 +194,21 @@ def plan_memory(trainer, micro_batch_candidates: Sequence[int] = ()) -> MemoryPl
         scratch = update_scratch(config)
         plan.fits[candidate] = plan.resident + plan.batch + scratch
     return plan
+
+
+def reward_model_bytes(config, mesh) -> int:
+    """Per-device bytes of the config's reward model parameters, sharded by the rules table
+    (0 without one). The scratch of its scoring program, which runs between the rollout and
+    the update, is not planned yet."""
+    if config.reward_model.path is None:
+        return 0
+    from jgrpo.sharding import tree_shardings
+    from models.reward_model import read_reward_config, reward_param_axes, reward_param_shapes
+
+    rm_config = read_reward_config(config.reward_model.path)
+    shapes = reward_param_shapes(rm_config, jnp.dtype(config.reward_model.dtype))
+    shardings = tree_shardings(shapes, reward_param_axes(rm_config), mesh)
+    return shard_bytes(_abstract(shapes, shardings))
 
 
 def rows_per_minibatch(config) -> int:

@@ -372,8 +372,41 @@ class Trainer:
         )
         self.optimizer = optimizer_of(config)
         self.setup_shardings()
+        if config.reward_model.path is not None:
+            self.add_reward_model()
         workers, timeout = config.task.reward_workers, config.task.reward_timeout_s
         self.reward_pool = VerifierPool(workers, timeout) if workers else None
+
+    def add_reward_model(self) -> None:
+        """The config's reward model as one more reward function of the task, on the mesh."""
+        from jgrpo.rewards.model_reward import ModelReward
+
+        rm = self.config.reward_model
+        if jax.process_count() > 1:
+            raise ConfigError(
+                "reward_model.path with several processes is not supported yet: each process "
+                "scores its own completions, which the reward model's sharded program cannot "
+                "do yet. Run it on one host, or score with a reward function of your own."
+            )
+        if rm.name in self.task.reward_fns:
+            raise ConfigError(
+                f"reward_model.name={rm.name!r} is already a reward function of the task "
+                f"({', '.join(self.task.reward_fns)}); choose another name."
+            )
+        scorer = ModelReward(
+            rm.path,
+            dtype=jnp.dtype(rm.dtype),
+            batch_size=rm.batch_size,
+            max_length=rm.max_length,
+            scale=rm.scale,
+            shift=rm.shift,
+            mesh=self.mesh,
+        )
+        self.task = dataclasses.replace(
+            self.task,
+            reward_fns={**self.task.reward_fns, rm.name: scorer},
+            reward_weights={**self.task.reward_weights, rm.name: rm.weight},
+        )
 
     # --- placement on the mesh ---------------------------------------------------------------
 

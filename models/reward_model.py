@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from models.config import ModelConfig
 from models.hf import CheckpointError, _param_shapes, _tensor_files, read_parameters, resolve
-from models.transformer import forward, param_axes
+from models.transformer import forward, layer_param_specs, param_axes
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForSequenceClassification",
@@ -66,12 +66,9 @@ def reward_param_axes(config: ModelConfig) -> dict:
     return axes
 
 
-def load_reward_model(
-    path: str | os.PathLike, *, dtype=jnp.float32, shardings: dict | None = None
-) -> RewardModel:
-    """A reward model from an HF directory (or hub name) of a sequence-classification
-    checkpoint with safetensors weights, its parameters in `dtype` (f32 or bf16) and, with
-    `shardings` (a pytree shaped like the parameters), sent straight to their shards."""
+def read_reward_config(path: str | os.PathLike) -> ModelConfig:
+    """The decoder's ModelConfig of a reward model checkpoint, after checking from its
+    config.json that it is a supported sequence classifier."""
     directory = resolve(path)
     config_file = directory / "config.json"
     if not config_file.exists():
@@ -86,9 +83,33 @@ def load_reward_model(
             "with a one-label score head)."
         )
     try:
-        config = ModelConfig.from_hf_config(hf_config)
+        return ModelConfig.from_hf_config(hf_config)
     except ValueError as error:
         raise CheckpointError(f"reward model {directory}: {error}") from error
+
+
+def reward_param_shapes(config: ModelConfig, dtype=jnp.float32) -> dict:
+    """ShapeDtypeStructs of a reward model's parameters (to plan memory or shardings)."""
+    layers = {
+        name: jax.ShapeDtypeStruct((config.num_layers, *shape), dtype)
+        for name, (shape, _) in layer_param_specs(config).items()
+    }
+    return {
+        "embed": jax.ShapeDtypeStruct((config.vocab_size, config.hidden_size), dtype),
+        "layers": layers,
+        "final_norm": jax.ShapeDtypeStruct((config.hidden_size,), dtype),
+        "score": jax.ShapeDtypeStruct((config.hidden_size, 1), dtype),
+    }
+
+
+def load_reward_model(
+    path: str | os.PathLike, *, dtype=jnp.float32, shardings: dict | None = None
+) -> RewardModel:
+    """A reward model from an HF directory (or hub name) of a sequence-classification
+    checkpoint with safetensors weights, its parameters in `dtype` (f32 or bf16) and, with
+    `shardings` (a pytree shaped like the parameters), sent straight to their shards."""
+    directory = resolve(path)
+    config = read_reward_config(directory)
     files = _tensor_files(directory)
     if "score.weight" not in files:
         raise CheckpointError(
@@ -115,7 +136,7 @@ def load_reward_model(
             params["layers"][path.removeprefix("layers.")] = value
         else:
             params[path] = value
-    pad = hf_config.get("pad_token_id")
+    pad = json.loads((directory / "config.json").read_text()).get("pad_token_id")
     return RewardModel(
         config=config,
         params=params,

@@ -10,7 +10,8 @@ Rules (those of TRL's GRPOTrainer, plus failure handling):
 - an exception is caught: the function is called again row by row to find the offending
   examples, which are logged and scored None; NaN is treated the same way;
 - with a `VerifierPool`, each call runs in a worker process and a call that outlasts its
-  timeout counts as an exception (see jgrpo/rewards/pool.py);
+  timeout counts as an exception (see jgrpo/rewards/pool.py), except for functions marked
+  `in_process = True` (a reward model, which holds device arrays);
 - a step stops with `RewardError` only if more than `max_failure_share` of its
   (function, completion) scores failed, or a function returns the wrong number of values.
 """
@@ -71,7 +72,10 @@ def _as_score(value: Any, name: str, row: int) -> float | None:
 
 def _call(fn: RewardFn, name: str, prompts, completions, fields, pool) -> list[float | None]:
     kwargs = dict(prompts=list(prompts), completions=list(completions), **fields)
-    values = fn(**kwargs) if pool is None else pool.run(fn, kwargs, name=name)
+    if pool is None or getattr(fn, "in_process", False):
+        values = fn(**kwargs)
+    else:
+        values = pool.run(fn, kwargs, name=name)
     if values is None or len(values) != len(completions):
         got = "None" if values is None else f"{len(values)} values"
         raise RewardError(
