@@ -25,9 +25,10 @@ import os
 
 import jax
 import jax.numpy as jnp
+from safetensors import safe_open
 
 from models.config import ModelConfig
-from models.hf import CheckpointError, _param_shapes, _tensor_files, read_parameters, resolve
+from models.hf import CheckpointError, _tensor_files, read_parameters, resolve
 from models.transformer import forward, layer_param_specs, param_axes
 
 SUPPORTED_ARCHITECTURES = (
@@ -69,7 +70,11 @@ def reward_param_axes(config: ModelConfig) -> dict:
 def read_reward_config(path: str | os.PathLike) -> ModelConfig:
     """The decoder's ModelConfig of a reward model checkpoint, after checking from its
     config.json that it is a supported sequence classifier."""
-    directory = resolve(path)
+    return _classifier_config(resolve(path))[0]
+
+
+def _classifier_config(directory) -> tuple[ModelConfig, dict]:
+    """(ModelConfig, the config.json dict) of a supported sequence classifier."""
     config_file = directory / "config.json"
     if not config_file.exists():
         raise CheckpointError(f"reward model {directory} has no config.json.")
@@ -83,7 +88,7 @@ def read_reward_config(path: str | os.PathLike) -> ModelConfig:
             "with a one-label score head)."
         )
     try:
-        return ModelConfig.from_hf_config(hf_config)
+        return ModelConfig.from_hf_config(hf_config), hf_config
     except ValueError as error:
         raise CheckpointError(f"reward model {directory}: {error}") from error
 
@@ -109,7 +114,7 @@ def load_reward_model(
     checkpoint with safetensors weights, its parameters in `dtype` (f32 or bf16) and, with
     `shardings` (a pytree shaped like the parameters), sent straight to their shards."""
     directory = resolve(path)
-    config = read_reward_config(directory)
+    config, hf_config = _classifier_config(directory)
     files = _tensor_files(directory)
     if "score.weight" not in files:
         raise CheckpointError(
@@ -124,19 +129,16 @@ def load_reward_model(
             "model gives one scalar per sequence (num_labels=1). A classifier with several "
             "labels is not a reward model: wrap it in a reward function of your own."
         )
-    shapes = {
-        "embed": (config.vocab_size, config.hidden_size),
-        "final_norm": (config.hidden_size,),
-        "score": (config.hidden_size, 1),
-    }
-    shapes.update({p: s for p, s in _param_shapes(config).items() if p.startswith("layers.")})
+    abstract = reward_param_shapes(config)  # paths as in PARAM_TO_HF, layers per layer
+    shapes = {name: leaf.shape for name, leaf in abstract.items() if name != "layers"}
+    shapes.update({f"layers.{name}": leaf.shape[1:] for name, leaf in abstract["layers"].items()})
     params: dict = {"layers": {}}
     for path, value in read_parameters(directory, files, config, shapes, dtype, shardings):
         if path.startswith("layers."):
             params["layers"][path.removeprefix("layers.")] = value
         else:
             params[path] = value
-    pad = json.loads((directory / "config.json").read_text()).get("pad_token_id")
+    pad = hf_config.get("pad_token_id")
     return RewardModel(
         config=config,
         params=params,
@@ -146,8 +148,6 @@ def load_reward_model(
 
 
 def _score_rows(file) -> int:
-    from safetensors import safe_open
-
     with safe_open(file, framework="np") as f:
         return int(f.get_slice("score.weight").get_shape()[0])
 

@@ -11,11 +11,12 @@ from transformers import LlamaConfig, LlamaForSequenceClassification
 
 from jgrpo.config import ConfigError, load_config
 from jgrpo.metrics import read_metrics
+from jgrpo.plan import plan_memory
 from jgrpo.rewards.model_reward import ModelReward
 from jgrpo.rewards.scoring import score_completions
 from jgrpo.sharding import make_mesh
 from jgrpo.tasks.arithmetic import text_tokenizer
-from jgrpo.train import train
+from jgrpo.train import Trainer, train
 
 PROMPTS = ["3+4=", "12+30=", "0+0=", "7+8=", "9+9="]
 COMPLETIONS = ["7", "42", "0", "15 is it", ""]
@@ -109,9 +110,6 @@ def test_a_run_scores_with_a_reward_model_of_another_tokenizer(reward_dir, tmp_p
 
 
 def test_the_memory_plan_counts_its_shards(reward_dir):
-    from jgrpo.plan import plan_memory
-    from jgrpo.train import Trainer
-
     overrides = ["smoke", "mesh.devices=-1", "mesh.fsdp=8", "rollout.prompts_per_step=8"]
     without = plan_memory(Trainer(load_config(None, [*overrides, "task.reward_workers=0"])))
     trainer = Trainer(
@@ -140,8 +138,6 @@ def test_a_name_clash_is_refused(reward_dir, tmp_path):
             "reward_model.name=correct",
         ],
     )
-    from jgrpo.train import Trainer
-
     with pytest.raises(ConfigError, match=r"reward_model.name='correct' is already a reward"):
         Trainer(config)
 
