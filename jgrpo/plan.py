@@ -2,13 +2,13 @@
 
     python -m jgrpo.plan [CONFIG.yaml] [key=value ...] [--budget-gib 16]
 
-The rollout and the update are compiled ahead of time for the config's mesh (nothing runs).
-Parameters, optimizer state, the reference model and a learned reward model are the
-per-device shards of their arrays; the KV cache comes from its shapes; the scratch memory of
-each program (activations, gradients, the cache) from XLA's own memory analysis of the
-compiled program. The peak is the larger of the two phases. With a budget, the report also
-names the largest micro-batch (rows per forward and backward pass, set by
-algorithm.grad_accumulation) that fits.
+The rollout, the update and a learned reward model's scoring are compiled ahead of time for
+the config's mesh (nothing runs). Parameters, optimizer state, the reference model and the
+reward model are the per-device shards of their arrays; the KV cache comes from its shapes;
+the scratch memory of each program (activations, gradients, the cache) from XLA's own
+memory analysis of the compiled program. The peak is the largest of the phases. With a
+budget, the report also names the largest micro-batch (rows per forward and backward pass,
+set by algorithm.grad_accumulation) that fits.
 
 `python -m jgrpo.train` runs the same check before step 1 when it knows a budget (the
 device's memory limit on GPU and TPU, or mesh.memory_budget_gib) and stops with this report
@@ -51,6 +51,7 @@ class MemoryPlan:
     batch: int  # one rollout batch as the update receives it
     micro_batch_rows: int
     reward_model: int = 0  # a learned reward model's parameters (reward_model.path)
+    reward_scratch: int = 0  # its scoring program's temporaries (longest bucket, one batch)
     fits: dict[int, int] = dataclasses.field(default_factory=dict)  # micro rows -> peak
 
     @property
@@ -66,8 +67,12 @@ class MemoryPlan:
         return self.resident + self.batch + self.update_scratch
 
     @property
+    def reward_peak(self) -> int:
+        return self.resident + self.reward_scratch
+
+    @property
     def peak(self) -> int:
-        return max(self.rollout_peak, self.update_peak)
+        return max(self.rollout_peak, self.update_peak, self.reward_peak)
 
     def largest_fitting(self, budget: int) -> int | None:
         """The largest micro-batch (rows) whose planned peak is within the budget."""
@@ -81,12 +86,20 @@ class MemoryPlan:
             f"  parameters       {_gib(self.parameters)}",
             f"  optimizer state  {_gib(self.optimizer)}",
             f"  reference model  {_gib(self.reference)}",
-            *([f"  reward model     {_gib(self.reward_model)}"] if self.reward_model else []),
+            *(
+                [
+                    f"  reward model     {_gib(self.reward_model)}  "
+                    f"(scoring scratch {_gib(self.reward_scratch)})"
+                ]
+                if self.reward_model
+                else []
+            ),
             f"  rollout scratch  {_gib(self.rollout_scratch)}  (KV cache {_gib(self.kv_cache)})",
             f"  update scratch   {_gib(self.update_scratch)}  "
             f"(micro-batch of {self.micro_batch_rows} rows; batch {_gib(self.batch)})",
             f"  peak             {_gib(self.peak)}  (rollout {_gib(self.rollout_peak)}, "
-            f"update {_gib(self.update_peak)})",
+            f"update {_gib(self.update_peak)}"
+            + (f", reward model {_gib(self.reward_peak)})" if self.reward_model else ")"),
         ]
         if budget is not None:
             lines.append(f"  budget           {_gib(budget)}")
@@ -172,6 +185,7 @@ def plan_memory(trainer, micro_batch_candidates: Sequence[int] = ()) -> MemoryPl
         2 * mc.num_layers * kv_heads * mc.head_dim * dtype_bytes
         * (local_prompts * length + local_rows * new_tokens)
     )  # fmt: skip
+    reward_params, reward_scratch = reward_model_memory(c, mesh)
     plan = MemoryPlan(
         mesh=dict(mesh.shape),
         parameters=shard_bytes(params),
@@ -182,7 +196,8 @@ def plan_memory(trainer, micro_batch_candidates: Sequence[int] = ()) -> MemoryPl
         update_scratch=update_scratch(trainer.update_config),
         batch=shard_bytes(batch),
         micro_batch_rows=micro_rows,
-        reward_model=reward_model_bytes(c, mesh),
+        reward_model=reward_params,
+        reward_scratch=reward_scratch,
     )
     plan.fits[micro_rows] = plan.update_peak
     for candidate in micro_batch_candidates:
@@ -196,19 +211,35 @@ def plan_memory(trainer, micro_batch_candidates: Sequence[int] = ()) -> MemoryPl
     return plan
 
 
-def reward_model_bytes(config, mesh) -> int:
-    """Per-device bytes of the config's reward model parameters, sharded by the rules table
-    (0 without one). The scratch of its scoring program, which runs between the rollout and
-    the update, is not planned yet."""
-    if config.reward_model.path is None:
-        return 0
-    from jgrpo.sharding import tree_shardings
-    from models.reward_model import read_reward_config, reward_param_axes, reward_param_shapes
+def reward_model_memory(config, mesh) -> tuple[int, int]:
+    """Per-device bytes of the config's reward model parameters (sharded by the rules table)
+    and of its scoring program's scratch at the longest length bucket it can meet (0, 0
+    without one). Scoring runs between the rollout and the update, so it is a phase of its
+    own."""
+    rm = config.reward_model
+    if rm.path is None:
+        return 0, 0
+    from jgrpo.generation import DEFAULT_BUCKETS, bucket_length
+    from jgrpo.sharding import row_shardings, tree_shardings
+    from models.reward_model import (
+        read_reward_config,
+        reward_param_axes,
+        reward_param_shapes,
+        score_sequences,
+    )
 
-    rm_config = read_reward_config(config.reward_model.path)
-    shapes = reward_param_shapes(rm_config, jnp.dtype(config.reward_model.dtype))
-    shardings = tree_shardings(shapes, reward_param_axes(rm_config), mesh)
-    return shard_bytes(_abstract(shapes, shardings))
+    rm_config = read_reward_config(rm.path)
+    shapes = reward_param_shapes(rm_config, jnp.dtype(rm.dtype))
+    params = _abstract(shapes, tree_shardings(shapes, reward_param_axes(rm_config), mesh))
+    split = mesh.shape["data"] * mesh.shape["fsdp"]
+    rows = -(-rm.batch_size // split) * split  # as ModelReward rounds it
+    length = bucket_length(rm.max_length, DEFAULT_BUCKETS)
+    ids = jax.ShapeDtypeStruct((rows, length), jnp.int32, sharding=row_shardings(mesh)[1])
+    with rules_context(mesh):
+        compiled = score_sequences.lower(
+            params, ids, ids, config=rm_config, pad_token_id=None
+        ).compile()
+    return shard_bytes(params), compiled.memory_analysis().temp_size_in_bytes
 
 
 def rows_per_minibatch(config) -> int:

@@ -31,10 +31,12 @@ Records = Sequence[Mapping[str, Any]]
 
 
 def reward_function_keys(records: Records) -> list[str]:
-    """Per-function reward keys: every "reward/..." key except the mean and std."""
+    """Per-function reward means: every "reward/<name>/mean" key."""
     keys = {key for record in records for key in record}
     return sorted(
-        key for key in keys if key.startswith("reward/") and key not in REWARD_SUMMARY_KEYS
+        key
+        for key in keys
+        if key.startswith("reward/") and key.endswith("/mean") and key not in REWARD_SUMMARY_KEYS
     )
 
 

@@ -16,6 +16,7 @@ SIGTERM (TPU preemption) saves one and exits 0. With no arguments the CPU demo r
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -372,6 +373,7 @@ class Trainer:
         )
         self.optimizer = optimizer_of(config)
         self.setup_shardings()
+        self.reward_model = None  # a ModelReward among the task's reward functions
         if config.reward_model.path is not None:
             self.add_reward_model()
         workers, timeout = config.task.reward_workers, config.task.reward_timeout_s
@@ -382,12 +384,6 @@ class Trainer:
         from jgrpo.rewards.model_reward import ModelReward
 
         rm = self.config.reward_model
-        if jax.process_count() > 1:
-            raise ConfigError(
-                "reward_model.path with several processes is not supported yet: each process "
-                "scores its own completions, which the reward model's sharded program cannot "
-                "do yet. Run it on one host, or score with a reward function of your own."
-            )
         if rm.name in self.task.reward_fns:
             raise ConfigError(
                 f"reward_model.name={rm.name!r} is already a reward function of the task "
@@ -398,6 +394,7 @@ class Trainer:
             dtype=jnp.dtype(rm.dtype),
             batch_size=rm.batch_size,
             max_length=rm.max_length,
+            normalize=rm.normalize,
             scale=rm.scale,
             shift=rm.shift,
             mesh=self.mesh,
@@ -407,6 +404,7 @@ class Trainer:
             reward_fns={**self.task.reward_fns, rm.name: scorer},
             reward_weights={**self.task.reward_weights, rm.name: rm.weight},
         )
+        self.reward_model = scorer
 
     # --- placement on the mesh ---------------------------------------------------------------
 
@@ -711,7 +709,8 @@ class Trainer:
         for name, values in everything.per_function.items():
             values = gather(values)
             scored = values[~np.isnan(values)]
-            metrics[f"reward/{name}"] = float(scored.mean()) if scored.size else float("nan")
+            metrics[f"reward/{name}/mean"] = float(scored.mean()) if scored.size else float("nan")
+            metrics[f"reward/{name}/std"] = float(scored.std()) if scored.size else float("nan")
         metrics["valid_frac"] = float(valid.mean())
         metrics["reward_failures"] = int(gather([failures]).sum())
         metrics["frac_zero_std"] = float(gather(flat_all).mean())
@@ -762,6 +761,23 @@ class Trainer:
         metrics["tokens_per_s"] = metrics.pop("tokens") / metrics["time/step"]
         return state, metrics, position
 
+    def meta(self) -> dict:
+        """Run state beyond the arrays that a checkpoint keeps: a reward model's statistics."""
+        if self.reward_model is None:
+            return {}
+        return {"reward_model_moments": self.reward_model.moments.state()}
+
+    def load_meta(self, meta: Mapping[str, Any]) -> None:
+        """Restores what `meta()` saved (a checkpoint from before a reward model: nothing)."""
+        if self.reward_model is not None and "reward_model_moments" in meta:
+            self.reward_model.moments.load(meta["reward_model_moments"])
+
+    def frozen_reward_statistics(self):
+        """A context in which a reward model's running statistics are read, not updated."""
+        if self.reward_model is None:
+            return contextlib.nullcontext()
+        return self.reward_model.frozen()
+
     def evaluate(self, params) -> tuple[dict[str, float], list[tuple[Any, str, float]]]:
         """Greedy completions of the eval examples: mean reward and accuracy (over every
         process's rows; the samples to log are this process's)."""
@@ -777,20 +793,16 @@ class Trainer:
             rows = int(is_real.sum())
             ids, mask = encode_examples(self.tokenizer, local, c.rollout.max_prompt_length)
             result = self.sample(params, ids, mask, jax.random.key(0), self.greedy, 1)
-            total = np.zeros(len(local), np.float64)
-            hit = np.zeros(len(local), np.float64)
-            if rows:
+            # Padding rows are scored too: a reward model's scoring is a collective call
+            # that every process makes, even one whose rows are all padding.
+            with self.frozen_reward_statistics():
                 prompts, texts, scores = self.score(
-                    local[:rows],
-                    result.tokens[:rows],
-                    result.lengths[:rows],
-                    result.truncated[:rows],
+                    local, result.tokens, result.lengths, result.truncated
                 )
-                total[:rows] = scores.total
-                hit[:rows] = scores.per_function[task.correctness] >= 1.0
-                samples.extend(zip(prompts, texts, scores.total.tolist(), strict=True))
-            totals.append(self.block.gather(total))
-            correct.append(self.block.gather(hit))
+            real_rows = zip(prompts, texts, scores.total.tolist(), strict=True)
+            samples.extend(list(real_rows)[:rows])
+            totals.append(self.block.gather(scores.total.astype(np.float64)))
+            correct.append(self.block.gather(scores.per_function[task.correctness] >= 1.0))
             real.append(self.block.gather(is_real))
         real = np.concatenate(real)
         metrics = {
@@ -897,6 +909,7 @@ def train(
     if latest is not None:
         state, meta = checkpointer.restore(state)
         step, position = int(meta["step"]), int(meta["data_position"])
+        trainer.load_meta(meta)
         logger.info("resuming %s from step %d", run_dir, step)
     primary = distributed.is_primary()  # process 0 writes metrics and logs samples
     writer = (
@@ -914,6 +927,7 @@ def train(
     def save(done: int):
         nonlocal last_saved
         meta = {"step": done, "data_position": position, "seed": c.train.seed, "config": to_dict(c)}
+        meta.update(trainer.meta())
         checkpointer.save(done, state, meta)
         last_saved = done
 

@@ -154,7 +154,7 @@ def test_custom_loss(workspace, executed):
     # Part 2, the user's reward function through jgrpo.train.train.
     lines = metric_lines(workspace / "colab" / "runs" / "count_up")
     assert [line["step"] for line in lines] == [1, 2, 3, 4]
-    assert all("reward/counts_up" in line for line in lines)
+    assert all("reward/counts_up/mean" in line for line in lines)
     ((before, after),) = re.findall(r"accuracy before: ([\d.]+)  after: ([\d.]+)", text)
     assert 0 <= float(before) <= 1 and float(after) == round(lines[-1]["eval/accuracy"], 2)
     assert len(re.findall(r"'\d=' -> '.*' reward", text)) == 3
@@ -175,7 +175,7 @@ def test_gsm8k_qwen(workspace, executed):
     run_dir = workspace / "colab" / "runs" / "gsm8k-qwen"
     lines = metric_lines(run_dir)
     assert [line["step"] for line in lines] == [1, 2]
-    assert {"reward/correct", "reward/format", "reward/overlong"} <= lines[-1].keys()
+    assert {"reward/correct/mean", "reward/format/mean", "reward/overlong/mean"} <= lines[-1].keys()
     assert float(after) == round(lines[-1]["eval/accuracy"], 3)
     assert (run_dir / "metrics.png").read_bytes()[:8] == PNG_MAGIC and images(notebook) == 1
     assert (run_dir / "hf" / "config.json").exists()

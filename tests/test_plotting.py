@@ -20,8 +20,9 @@ def write_run(run_dir: Path, steps: int = 20) -> None:
             metrics = {
                 "reward/mean": step / 20,
                 "reward/std": 0.1,
-                "reward/correct": step / 40,
-                "reward/format": 1.0,
+                "reward/correct/mean": step / 40,
+                "reward/correct/std": 0.2,
+                "reward/format/mean": 1.0,
                 "kl": 0.01 * step,
                 "loss": math.nan if step == 5 else -0.1,
                 "completion_len/mean": 100.0 + step,
@@ -66,10 +67,13 @@ def test_plot_metrics_takes_records_and_writes_a_png(tmp_path):
 
 
 def test_panels_follow_the_logged_keys():
-    records = [{"step": 1, "reward/mean": 0.5, "reward/std": 0.1, "reward/b": 1, "reward/a": 0}]
+    records = [
+        {"step": 1, "reward/mean": 0.5, "reward/std": 0.1, "reward/b/mean": 1}
+        | {"reward/a/mean": 0, "reward/a/std": 0}
+    ]
     assert panels(records) == [
         ("reward", ["reward/mean"]),
-        ("reward per function", ["reward/a", "reward/b"]),
+        ("reward per function", ["reward/a/mean", "reward/b/mean"]),
     ]
 
 

@@ -37,14 +37,14 @@ def test_json_extraction_recipe_logs_every_reward_component(tmp_path):
         "json_answer_correct",
         "json_extra_text",
     ):
-        assert f"reward/{name}" in lines[-1]
+        assert f"reward/{name}/mean" in lines[-1]
     assert "eval/accuracy" in lines[-1]
 
 
 def test_gsm8k_recipe_runs_on_local_rows(tmp_path):
     data = ROOT / "tests" / "data" / "gsm8k"
     lines = smoke("gsm8k-qwen2.5-0.5b.yaml", tmp_path / "run", f"task.path={data}")
-    assert {"reward/correct", "reward/format", "eval/accuracy"} <= lines[-1].keys()
+    assert {"reward/correct/mean", "reward/format/mean", "eval/accuracy"} <= lines[-1].keys()
 
 
 def test_a_jsonl_task_from_the_config(tmp_path):

@@ -36,8 +36,10 @@ REQUIRED_METRICS = {
     "step",
     "reward/mean",
     "reward/std",
-    "reward/correct",
-    "reward/format",
+    "reward/correct/mean",
+    "reward/correct/std",
+    "reward/format/mean",
+    "reward/format/std",
     "frac_zero_std",
     "advantage/mean",
     "advantage/std",
@@ -256,7 +258,7 @@ def test_a_reward_function_that_raises_or_returns_none_does_not_stop_the_run(tmp
     assert result.steps_done == 3
     lines = read_metrics(tmp_path)
     assert sum(line["reward_failures"] for line in lines) > 0  # some rows started with "0+"
-    assert all(line["reward/flaky"] == 1.0 for line in lines)  # the mean of what scored
+    assert all(line["reward/flaky/mean"] == 1.0 for line in lines)  # the mean of what scored
 
     def always_broken(prompts, completions, **_):
         raise RuntimeError("verifier crashed")
@@ -339,13 +341,13 @@ def test_mask_truncated_and_kl_in_reward(tmp_path):
     groups, metrics, _ = trainer.collect(params, params, jax.random.key(1), 0)
     # Policy == reference: the KL term is exactly 0 (k3 of identical log-probs).
     np.testing.assert_allclose(groups.per_function["kl_penalty"], 0.0, atol=1e-6)
-    assert "reward/overlong" in metrics and metrics["reward/overlong"] <= 0
+    assert "reward/overlong/mean" in metrics and metrics["reward/overlong/mean"] <= 0
     batch = trainer.to_batch(groups, np.zeros(len(groups.rewards), np.float32))
     mask = np.asarray(batch.completion_mask)
     assert not mask[groups.truncated].any() and groups.truncated.any()
     np.testing.assert_array_equal(mask[~groups.truncated], groups.mask[~groups.truncated])
     result = train_module.train(config)
-    assert "reward/kl_penalty" in read_metrics(tmp_path)[-1] and result.steps_done == 2
+    assert "reward/kl_penalty/mean" in read_metrics(tmp_path)[-1] and result.steps_done == 2
 
 
 def test_a_prompt_longer_than_the_limit_is_an_error_not_a_truncation(tmp_path):
@@ -458,7 +460,7 @@ def test_the_qwen_recipe_runs_on_a_local_hf_checkpoint(tmp_path, hf_checkpoint):
     result = train_module.train(config)
     assert result.steps_done == 1
     (line,) = read_metrics(tmp_path / "run")
-    assert {"reward/correct", "reward/format", "eval/accuracy", "loss"} <= line.keys()
+    assert {"reward/correct/mean", "reward/format/mean", "eval/accuracy", "loss"} <= line.keys()
     # The export keeps the checkpoint's tokenizer (with its chat template) and new weights.
     exported = models.from_pretrained(tmp_path / "run" / "hf")
     assert_trees_equal(exported.params(), result.state.params)

@@ -2,7 +2,7 @@
 
     rewards = "math:1.0, think_answer_format:0.2"   ->   ({name: fn}, {name: weight})
 
-Names are also the metric keys (`reward/<name>`), so each component is logged apart.
+Names are also the metric keys (`reward/<name>/mean`, `/std`), so each component is logged apart.
 """
 
 from __future__ import annotations
