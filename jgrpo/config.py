@@ -466,6 +466,7 @@ DEMO_OVERRIDES = (
     "rollout.max_prompt_length=8",
     "algorithm.beta=0.04",  # KL to the random init keeps the policy exploring
     "optim.lr=1e-3",
+    "optim.schedule=cosine",  # the lr decays to 0 by the last step: a stable end
     "train.steps=500",
     "train.eval_every=50",
     "train.save_every=100",
