@@ -97,10 +97,12 @@ def make_optimizer(
     """
     if learning_rate <= 0:
         raise ValueError(f"learning_rate must be > 0, got {learning_rate}.")
-    if schedule == "cosine":
+    if schedule == "cosine" and warmup_steps:
         lr = optax.warmup_cosine_decay_schedule(
-            0.0, learning_rate, max(warmup_steps, 1), max(total_steps, warmup_steps + 1)
+            0.0, learning_rate, warmup_steps, max(total_steps, warmup_steps + 1)
         )
+    elif schedule == "cosine":  # the first step at the full rate, then down to 0
+        lr = optax.cosine_decay_schedule(learning_rate, max(total_steps, 1))
     elif schedule == "constant":
         warmup = optax.linear_schedule(0.0, learning_rate, max(warmup_steps, 1))
         lr = optax.join_schedules([warmup, optax.constant_schedule(learning_rate)], [warmup_steps])

@@ -24,8 +24,12 @@ SMALL = [
 ]
 
 
+# test_plan_sizes' programs are also what the training run below plans (compiled once).
+PLANNED = [*SMALL, "rollout.num_generations=2", "mesh.fsdp=8"]
+
+
 def test_plan_sizes_each_part_per_device():
-    trainer = Trainer(load_config(None, [*SMALL, "rollout.num_generations=2", "mesh.fsdp=8"]))
+    trainer = Trainer(load_config(None, PLANNED))
     plan = plan_memory(trainer, micro_batch_candidates(16))
     params = trainer.model.params()
     total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
@@ -55,7 +59,7 @@ FEW = ["rollout.prompts_per_step=2", "rollout.num_generations=2", "mesh.devices=
 
 def test_training_stops_before_step_one_when_the_plan_does_not_fit(tmp_path):
     config = load_config(
-        None, [*SMALL, *FEW, "mesh.memory_budget_gib=1e-4", f"train.run_dir={tmp_path}"]
+        None, [*PLANNED, "mesh.memory_budget_gib=1e-4", f"train.run_dir={tmp_path}"]
     )
     with pytest.raises(OutOfMemoryPlan, match="would run out of device memory") as error:
         train(config)

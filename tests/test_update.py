@@ -153,6 +153,19 @@ def test_no_recompile_after_the_first_step(params, count_compiles):
     assert lrs[-1] < lrs[2]  # then cosine decay
 
 
+@pytest.mark.parametrize("total_steps", [1, 4])
+def test_cosine_without_warmup_starts_at_the_full_rate(total_steps):
+    """lr_t = lr * (1 + cos(pi * t / total)) / 2 from the first step (even a one-step run)."""
+    optimizer = make_optimizer(1e-3, total_steps=total_steps, schedule="cosine")
+    params = {"w": jnp.zeros(2)}
+    state, lrs = optimizer.init(params), []
+    for _ in range(total_steps):
+        _, state = optimizer.update({"w": jnp.ones(2)}, state, params)
+        lrs.append(float(state[1].hyperparams["learning_rate"]))  # (clip, adamw) states
+    expected = {1: [1e-3], 4: [1e-3, 0.853553e-3, 0.5e-3, 0.146447e-3]}[total_steps]
+    np.testing.assert_allclose(lrs, expected, rtol=1e-5)
+
+
 def test_bad_update_config(params):
     with pytest.raises(ValueError, match="num_minibatches must be an int >= 1"):
         UpdateConfig(num_minibatches=0)
