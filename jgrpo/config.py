@@ -246,10 +246,13 @@ class OptimSection:
     max_grad_norm: float | None = option(1.0, "global-norm gradient clipping; None = off")
     b1: float = option(0.9, "Adam beta1")
     b2: float = option(0.99, "Adam beta2")
+    eps: float = option(1e-8, "Adam epsilon: added to sqrt(v) in the update's denominator")
 
     def check(self):
         if self.lr <= 0:
             raise ConfigError(f"optim.lr must be > 0, got {self.lr}.")
+        if self.eps <= 0:
+            raise ConfigError(f"optim.eps must be > 0, got {self.eps}.")
         if self.schedule not in ("constant", "cosine"):
             raise ConfigError(
                 f"optim.schedule must be 'constant' or 'cosine', got {self.schedule!r}."

@@ -236,6 +236,7 @@ def optimizer_of(config: Config):
         max_grad_norm=optim.max_grad_norm,
         b1=optim.b1,
         b2=optim.b2,
+        eps=optim.eps,
     )
 
 

@@ -87,6 +87,7 @@ def make_optimizer(
     max_grad_norm: float | None = 1.0,
     b1: float = 0.9,
     b2: float = 0.99,
+    eps: float = 1e-8,
 ) -> optax.GradientTransformation:
     """AdamW after global-norm clipping, with linear warmup then a constant or cosine lr.
 
@@ -110,7 +111,7 @@ def make_optimizer(
         raise ValueError(f"schedule must be one of 'constant', 'cosine'; got {schedule!r}.")
     clip = optax.clip_by_global_norm(max_grad_norm) if max_grad_norm else optax.identity()
     adamw = optax.inject_hyperparams(optax.adamw)(
-        learning_rate=lr, b1=b1, b2=b2, weight_decay=weight_decay
+        learning_rate=lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay
     )
     return optax.chain(clip, adamw)
 
