@@ -14,7 +14,7 @@ from safetensors.numpy import load_file
 
 from jgrpo import distributed
 from jgrpo.checkpoint import Checkpointer
-from jgrpo.config import ConfigError, load_config
+from jgrpo.config import DEMO_OVERRIDES, ConfigError, load_config
 from jgrpo.metrics import read_metrics
 from jgrpo.sharding import make_mesh, row_shardings
 from jgrpo.train import Trainer, train
@@ -101,7 +101,8 @@ def _run_processes(
 def test_two_processes_train_like_one_and_restore_on_another_mesh(tmp_path):
     multi, single = tmp_path / "multi", tmp_path / "single"
     _run_processes([*COMMON, f"train.run_dir={multi}"])
-    reference = train(load_config(None, [*COMMON, f"train.run_dir={single}"]))
+    # `python -m jgrpo.train` without a CONFIG starts from the demo's settings: so does this.
+    reference = train(load_config(None, [*DEMO_OVERRIDES, *COMMON, f"train.run_dir={single}"]))
 
     # Process 0 wrote the metrics of every process's rows: the same as one process's.
     ours, theirs = read_metrics(multi), read_metrics(single)
