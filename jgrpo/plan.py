@@ -220,6 +220,7 @@ def reward_model_memory(config, mesh) -> tuple[int, int]:
     if rm.path is None:
         return 0, 0
     from jgrpo.generation import DEFAULT_BUCKETS, bucket_length
+    from jgrpo.rewards.model_reward import scoring_rows
     from jgrpo.sharding import row_shardings, tree_shardings
     from models.reward_model import (
         read_reward_config,
@@ -231,8 +232,7 @@ def reward_model_memory(config, mesh) -> tuple[int, int]:
     rm_config = read_reward_config(rm.path)
     shapes = reward_param_shapes(rm_config, jnp.dtype(rm.dtype))
     params = _abstract(shapes, tree_shardings(shapes, reward_param_axes(rm_config), mesh))
-    split = mesh.shape["data"] * mesh.shape["fsdp"]
-    rows = -(-rm.batch_size // split) * split  # as ModelReward rounds it
+    rows = scoring_rows(rm.batch_size, mesh)
     length = bucket_length(rm.max_length, DEFAULT_BUCKETS)
     ids = jax.ShapeDtypeStruct((rows, length), jnp.int32, sharding=row_shardings(mesh)[1])
     with rules_context(mesh):

@@ -134,8 +134,7 @@ class ModelReward:
             shardings = tree_shardings(
                 reward_param_shapes(config, dtype), reward_param_axes(config), mesh
             )
-            split = mesh.shape["data"] * mesh.shape["fsdp"]
-            batch_size = -(-batch_size // split) * split  # whole rows on every device
+            batch_size = scoring_rows(batch_size, mesh)
             self._rows = row_shardings(mesh)[1]
             self._block = RowBlock(self._rows)
         self.model = models.load_reward_model(directory, dtype=dtype, shardings=shardings)
@@ -241,6 +240,12 @@ class ModelReward:
                 block.to_global(input_ids, self._rows), block.to_global(mask, self._rows)
             )
         return block.local(scores)
+
+
+def scoring_rows(batch_size: int, mesh) -> int:
+    """Rows per scoring call on a mesh: batch_size rounded up to whole rows on every device."""
+    split = mesh.shape["data"] * mesh.shape["fsdp"]
+    return -(-batch_size // split) * split
 
 
 def _largest_everywhere(*values: int) -> list[int]:
