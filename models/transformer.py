@@ -12,6 +12,7 @@ H heads, K kv heads, G heads per kv head, D head_dim, M mlp, V vocab, L layers.
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import flax.linen as nn
@@ -349,14 +350,28 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return rotated.astype(x.dtype)
 
 
+def project(x: jax.Array, kernel: jax.Array, contract: int = 1) -> jax.Array:
+    """x's last `contract` axes times the kernel's first ones: [..., *I] x [*I, *O] -> [..., *O].
+
+    Computed as one 2D matmul of reshaped operands rather than an einsum over [B, T, ...]:
+    the result is the same, but XLA:CPU then lays out the backward pass's weight-gradient
+    products without transposed copies of the [B*T, M] activations (in a profile of the
+    SmolLM2-135M benchmark update, the einsum form spent ~10 s in such copies; this one ~1.5).
+    """
+    inner, outer = kernel.shape[:contract], kernel.shape[contract:]
+    lead = x.shape[: x.ndim - contract]
+    flat = x.reshape(math.prod(lead), math.prod(inner)) @ kernel.reshape(math.prod(inner), -1)
+    return flat.reshape(*lead, *outer)
+
+
 def attention_inputs(config, params, x, cos, sin):
     """Queries [B, T, H, D] and keys, values [B, K, T, D] of one layer for x [B, T, E]:
     pre-norm, projections, optional biases and qk-norm, RoPE."""
     eps = config.rms_norm_eps
     h = rms_norm(x, params["attn_norm"], eps)
-    q = jnp.einsum("bte,ehd->bthd", h, params["q_kernel"])  # [B, T, H, D]
-    k = jnp.einsum("bte,ekd->btkd", h, params["k_kernel"])  # [B, T, K, D]
-    v = jnp.einsum("bte,ekd->btkd", h, params["v_kernel"])  # [B, T, K, D]
+    q = project(h, params["q_kernel"])  # [B, T, H, D]
+    k = project(h, params["k_kernel"])  # [B, T, K, D]
+    v = project(h, params["v_kernel"])  # [B, T, K, D]
     if config.qkv_bias:
         q, k, v = q + params["q_bias"], k + params["k_bias"], v + params["v_bias"]
     if config.qk_norm:
@@ -369,12 +384,12 @@ def attention_inputs(config, params, x, cos, sin):
 def finish_layer(config, params, x, attention):
     """The rest of a block after attention [B, T, H, D]: output projection and residual, then
     x + SwiGLU(norm(x))."""
-    x = x + jnp.einsum("bthd,hde->bte", attention, params["o_kernel"])
+    x = x + project(attention, params["o_kernel"], contract=2)  # [B, T, E]
     h = rms_norm(x, params["mlp_norm"], config.rms_norm_eps)
-    gate = jnp.einsum("bte,em->btm", h, params["gate_kernel"])
-    up = jnp.einsum("bte,em->btm", h, params["up_kernel"])
+    gate = project(h, params["gate_kernel"])  # [B, T, M]
+    up = project(h, params["up_kernel"])
     hidden = constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
-    x = x + jnp.einsum("btm,me->bte", hidden, params["down_kernel"])
+    x = x + project(hidden, params["down_kernel"])
     return constrain(x, ("batch", "length", "embed"))
 
 
