@@ -1,5 +1,6 @@
-"""Forces 8 host CPU devices before JAX initialises, so sharding tests run on any machine, and
-shares compiled programs between the tests of one session.
+"""Forces 8 host CPU devices before JAX initialises, so sharding tests run on any machine, makes
+compilation cheaper (`xla_flags.py`), and shares compiled programs between the tests of one
+session.
 
 Many tests compile the same small programs (in this process and in the `python -m jgrpo.train`
 processes they start); a persistent compilation cache in a fresh directory per session, which
@@ -12,9 +13,9 @@ import os
 import shutil
 import tempfile
 
-os.environ["XLA_FLAGS"] = " ".join(
-    [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"]
-).strip()
+from xla_flags import xla_flags  # noqa: E402
+
+os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), xla_flags(8)]).strip()
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _cache = tempfile.mkdtemp(prefix="jgrpo-tests-jax-cache-")
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)

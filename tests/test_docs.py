@@ -27,6 +27,7 @@ import tomllib
 
 import pytest
 from tiny_hf import save_char_checkpoint
+from xla_flags import xla_flags
 
 from jgrpo import plan as plan_module
 from jgrpo import train as train_module
@@ -297,7 +298,7 @@ def _check_script(script: str, args: list[str], workdir, run: bool) -> tuple | N
             args += [o for o in _tiny_training([], "unused") if "run_dir" not in o]
     if "runs/tiny" in args:
         _tiny_run(workdir)
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one device, as users run
+    env = {**os.environ, "XLA_FLAGS": xla_flags()}  # one device, as users run
     result = subprocess.run(
         [sys.executable, script, *args], capture_output=True, text=True, cwd=workdir, env=env
     )

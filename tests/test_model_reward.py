@@ -13,6 +13,7 @@ import pytest
 import torch
 from tiny_hf import COMMON
 from transformers import LlamaConfig, LlamaForSequenceClassification
+from xla_flags import xla_flags
 
 from jgrpo.checkpoint import Checkpointer
 from jgrpo.config import ConfigError, load_config
@@ -238,7 +239,7 @@ def test_two_processes_score_their_own_rows_together(reward_dir):
         address = f"localhost:{s.getsockname()[1]}"
     env = {
         **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "XLA_FLAGS": xla_flags(2),
         "JAX_PLATFORMS": "cpu",
     }
     processes = [

@@ -11,6 +11,7 @@ import jax
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
+from xla_flags import xla_flags
 
 from jgrpo import distributed
 from jgrpo.checkpoint import Checkpointer
@@ -62,7 +63,7 @@ def _run_processes(
     port = _free_port()
     env = {
         **os.environ,
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+        "XLA_FLAGS": xla_flags(devices),
         "JAX_PLATFORMS": "cpu",
     }
     common = [
