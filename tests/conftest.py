@@ -13,7 +13,7 @@ import os
 import shutil
 import tempfile
 
-from xla_flags import xla_flags  # noqa: E402
+from xla_flags import xla_flags
 
 os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), xla_flags(8)]).strip()
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
