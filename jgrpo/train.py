@@ -209,8 +209,16 @@ def build_task(config: Config) -> tasks.Task:
     return task
 
 
-def update_config_of(config: Config, *, beta_in_loss: float) -> UpdateConfig:
+def update_config_of(config: Config, *, beta_in_loss: float, batch_shards: int = 1) -> UpdateConfig:
+    """The update's settings; `batch_shards` is the mesh's data x fsdp size.
+
+    Each prompt's forward runs once for its G rows when every micro-batch holds whole groups
+    whose prompts split evenly over the batch shards (always true without accumulation).
+    """
     algo = config.algorithm
+    prompts = config.rollout.prompts_per_step
+    parts = algo.num_minibatches * algo.grad_accumulation
+    whole_groups = prompts % parts == 0 and (prompts // parts) % batch_shards == 0
     return UpdateConfig(
         num_iterations=algo.num_iterations,
         num_minibatches=algo.num_minibatches,
@@ -222,6 +230,7 @@ def update_config_of(config: Config, *, beta_in_loss: float) -> UpdateConfig:
         kl_estimator=algo.kl_estimator,
         ratio_level=algo.ratio_level,
         temperature=config.rollout.temperature,
+        shared_prompt_rows=config.rollout.num_generations if whole_groups else 1,
     )
 
 
@@ -370,7 +379,9 @@ class Trainer:
         algo = config.algorithm
         self.kl_weight_in_reward = algo.beta if algo.kl_in_reward else 0.0
         self.update_config = update_config_of(
-            config, beta_in_loss=0.0 if algo.kl_in_reward else algo.beta
+            config,
+            beta_in_loss=0.0 if algo.kl_in_reward else algo.beta,
+            batch_shards=self.mesh.shape["data"] * self.mesh.shape["fsdp"],
         )
         self.optimizer = optimizer_of(config)
         self.setup_shardings()
@@ -632,10 +643,13 @@ class Trainer:
         """f32[R, N] log-probs of the batch's completions under `params`, split by rows."""
         temperature = self.config.rollout.temperature
         program = _shared_program(
-            ("frozen_logprobs", self.mesh, self.model_config, temperature),
+            ("frozen_logprobs", self.mesh, self.model_config, temperature, self.group_size),
             lambda: jax.jit(
                 functools.partial(
-                    _frozen_logprobs, model_config=self.model_config, temperature=temperature
+                    _frozen_logprobs,
+                    model_config=self.model_config,
+                    temperature=temperature,
+                    shared_prompt_rows=self.group_size,  # whole groups on every batch shard
                 ),
                 out_shardings=self.row_matrix,
             ),
@@ -832,9 +846,16 @@ _group_advantages = jax.jit(
 )
 
 
-def _frozen_logprobs(params, batch: Batch, *, model_config, temperature) -> jax.Array:
+def _frozen_logprobs(
+    params, batch: Batch, *, model_config, temperature, shared_prompt_rows
+) -> jax.Array:
     return completion_logprobs(
-        params, batch, model_config=model_config, temperature=temperature, chunk_size=4096
+        params,
+        batch,
+        model_config=model_config,
+        temperature=temperature,
+        chunk_size=4096,
+        shared_prompt_rows=shared_prompt_rows,
     )[0]
 
 

@@ -24,12 +24,21 @@ import optax
 from jgrpo.logprobs import chunked_token_logprobs
 from jgrpo.losses import grpo_loss
 from models.config import ModelConfig
+from models.group_forward import group_completion_hidden
 from models.transformer import forward, unembedding
 
 
 @dataclasses.dataclass(frozen=True)
 class UpdateConfig:
-    """Static settings of the update (part of the compiled program)."""
+    """Static settings of the update (part of the compiled program).
+
+    `shared_prompt_rows` = G > 1 promises that every G consecutive rows of the batch repeat
+    one prompt (prompt-major rows, as `jgrpo.rollout` returns them) and that each
+    micro-batch holds whole groups. The layers then run each prompt once for its group and
+    its G completions on top (`models.group_forward`): the same log-probs and gradients up to
+    float rounding, with about half the tokens when the prompt is as long as the completion.
+    The training loop sets it whenever micro-batches and batch shards hold whole groups.
+    """
 
     num_iterations: int = 1  # mu: passes over each rollout batch
     num_minibatches: int = 1  # optimizer steps per pass
@@ -42,12 +51,17 @@ class UpdateConfig:
     ratio_level: str = "token"
     temperature: float = 1.0  # must equal the sampling temperature
     logprob_chunk_size: int = 4096
+    shared_prompt_rows: int = 1  # G: rows that repeat one prompt; 1 = every row in full
 
     def __post_init__(self):
         for name in ("num_iterations", "num_minibatches", "grad_accumulation"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}.")
+        if not isinstance(self.shared_prompt_rows, int) or self.shared_prompt_rows < 1:
+            raise ValueError(
+                f"shared_prompt_rows must be an int >= 1, got {self.shared_prompt_rows!r}."
+            )
         if self.temperature <= 0:
             raise ValueError(
                 f"temperature must be > 0 (the sampling temperature), got {self.temperature}."
@@ -123,17 +137,32 @@ def completion_logprobs(
     model_config: ModelConfig,
     temperature: float,
     chunk_size: int,
+    shared_prompt_rows: int = 1,
 ) -> tuple[jax.Array, jax.Array]:  # (f32[B, N], f32[B, N])
-    """Log-prob and entropy of every completion token under `params` (no [B, T, V] logits)."""
+    """Log-prob and entropy of every completion token under `params` (no [B, T, V] logits).
+
+    `shared_prompt_rows` = G > 1 promises that each G consecutive rows repeat one prompt;
+    the prompt then runs once per group (`models.group_forward`), with equal results.
+    """
     completion_length = batch.completion_mask.shape[1]
-    hidden = forward(
-        params,
-        batch.input_ids,
-        attention_mask=batch.attention_mask,
-        config=model_config,
-        return_hidden=True,
-    )  # [B, L + N, E]
-    predicting = hidden[:, -completion_length - 1 : -1]  # positions that predict completions
+    if shared_prompt_rows > 1:
+        predicting = group_completion_hidden(
+            params,
+            batch.input_ids,
+            batch.attention_mask,
+            config=model_config,
+            group_size=shared_prompt_rows,
+            completion_length=completion_length,
+        )  # [B, N, E]
+    else:
+        hidden = forward(
+            params,
+            batch.input_ids,
+            attention_mask=batch.attention_mask,
+            config=model_config,
+            return_hidden=True,
+        )  # [B, L + N, E]
+        predicting = hidden[:, -completion_length - 1 : -1]  # positions that predict completions
     targets = batch.input_ids[:, -completion_length:]
     return chunked_token_logprobs(
         predicting, unembedding(params), targets, temperature=temperature, chunk_size=chunk_size
@@ -179,6 +208,12 @@ def train_step(
             f"the batch of {rows} sequences must divide into num_minibatches="
             f"{cfg.num_minibatches} x grad_accumulation={cfg.grad_accumulation} equal parts."
         )
+    if (rows // (cfg.num_minibatches * cfg.grad_accumulation)) % cfg.shared_prompt_rows:
+        raise ValueError(
+            f"shared_prompt_rows={cfg.shared_prompt_rows} must divide the "
+            f"{rows // (cfg.num_minibatches * cfg.grad_accumulation)} rows of a micro-batch "
+            "(whole groups in each); set it to 1 to run every row in full."
+        )
     if cfg.beta > 0 and ref_params is None:
         raise ValueError(f"beta={cfg.beta} > 0 needs ref_params (the frozen initial weights).")
     logprobs_of = functools.partial(
@@ -186,6 +221,7 @@ def train_step(
         model_config=model_config,
         temperature=cfg.temperature,
         chunk_size=cfg.logprob_chunk_size,
+        shared_prompt_rows=cfg.shared_prompt_rows,
     )
 
     def frozen_logprobs(params):

@@ -317,6 +317,23 @@ def test_dynamic_sampling_replaces_groups_without_signal(tmp_path):
     np.testing.assert_array_equal(advantages[flat], 0.0)
 
 
+def test_the_update_runs_each_prompt_once_when_batches_hold_whole_groups():
+    """G rows share one prompt forward unless a micro-batch or a batch shard splits groups."""
+
+    def shared_rows(*overrides, batch_shards=1):
+        config = load_config(
+            None, ["rollout.prompts_per_step=4", "rollout.num_generations=8", *overrides]
+        )
+        update = train_module.update_config_of(config, beta_in_loss=0.0, batch_shards=batch_shards)
+        return update.shared_prompt_rows
+
+    assert shared_rows() == 8
+    assert shared_rows("algorithm.num_minibatches=2", "algorithm.grad_accumulation=2") == 8
+    assert shared_rows("algorithm.grad_accumulation=8") == 1  # 4 rows per micro-batch
+    assert shared_rows(batch_shards=4) == 8
+    assert shared_rows("algorithm.num_minibatches=2", batch_shards=4) == 1  # 2 prompts, 4 shards
+
+
 def test_overlong_penalty_is_dapos_soft_ramp():
     lengths = np.array([10, 12, 13, 14, 16])
     penalty = train_module.overlong_penalty(lengths, limit=16, buffer=4, factor=1.0)
