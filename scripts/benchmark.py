@@ -44,23 +44,32 @@ def matmul_peak_flops(size: int | None = None, repeats: int = 5, dtype=jnp.float
     return 2 * size**3 / best
 
 
-def forward_flops(config, rows: int, length: int, scored: int) -> float:
+def forward_flops(
+    config, rows: int, length: int, scored: int, shared_prompt_rows: int = 1
+) -> float:
     """Matmul FLOPs of one training forward over `rows` sequences of `length` tokens, of which
     the last `scored` are scored through the unembedding (the chunked log-probs).
 
     Counted from the shapes, as MFU is usually defined (PaLM's appendix B): 2 FLOPs per
-    weight per token, plus attention's two products over all `length` keys. XLA's cost
-    analysis cannot be used: it counts a scanned layer stack's body once, not once per layer.
-    A backward pass costs twice its forward, so an update is 3x this.
+    weight per token, plus attention's two products over all `length` keys. With
+    `shared_prompt_rows` = G > 1 (`jgrpo.UpdateConfig`), the forward the update runs: each
+    prompt's `length - scored` tokens once per G rows, attending over the prompt's keys.
+    XLA's cost analysis cannot be used: it counts a scanned layer stack's body once, not once
+    per layer. A backward pass costs twice its forward, so an update is 3x this.
     """
     e, m, d = config.hidden_size, config.intermediate_size, config.head_dim
     h, kv = config.num_heads, config.num_kv_heads
     per_layer = e * h * d * 2 + e * kv * d * 2 + 3 * e * m  # q, o, k, v, gate, up, down
-    attention = 2 * 2 * h * d * length  # q k^T and p v, per token and layer
-    tokens = rows * length
-    return config.num_layers * tokens * (2 * per_layer + attention) + rows * scored * 2 * e * (
-        config.vocab_size
-    )
+    per_key = 2 * 2 * h * d  # q k^T and p v, per token, key and layer
+    if shared_prompt_rows > 1:
+        prompt_length = length - scored
+        prompt_tokens = rows // shared_prompt_rows * prompt_length
+        layers = prompt_tokens * (2 * per_layer + per_key * prompt_length) + rows * scored * (
+            2 * per_layer + per_key * length
+        )
+    else:
+        layers = rows * length * (2 * per_layer + per_key * length)
+    return config.num_layers * layers + rows * scored * 2 * e * config.vocab_size
 
 
 def _timed(run) -> float:
@@ -106,7 +115,12 @@ def benchmark_step(args: argparse.Namespace) -> None:
         groups, metrics, _ = trainer.collect(state.params, None, jax.random.key(step), 0)
         batch = trainer.to_batch(groups, trainer.advantages(groups))
         if flops is None:  # forward + backward, and the reference forward when beta > 0
-            forward = forward_flops(trainer.model_config, *batch.input_ids.shape, args.new_tokens)
+            forward = forward_flops(
+                trainer.model_config,
+                *batch.input_ids.shape,
+                args.new_tokens,
+                trainer.update_config.shared_prompt_rows,
+            )
             flops = forward * (3 + (args.beta > 0))
         update_start = time.perf_counter()
         state, update = train_step(state, batch, ref, **kwargs)

@@ -106,7 +106,8 @@ def run_jgrpo(checkpoint: Path, steps: int) -> str:
         steps,
     )
     rows, length = batch.input_ids.shape
-    flops = forward_flops(trainer.model_config, rows, length, workload.NEW_TOKENS)
+    shared = trainer.update_config.shared_prompt_rows
+    flops = forward_flops(trainer.model_config, rows, length, workload.NEW_TOKENS, shared)
     return workload.result_line(
         f"jgrpo (jax {jax.__version__})",
         [
