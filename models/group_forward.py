@@ -3,11 +3,16 @@
 In a GRPO batch the G completions of a prompt sit in G consecutive rows behind copies of the
 same left-padded prompt, so a plain forward over [B, Lp + N] tokens computes every prompt's
 hidden states G times, identically. Here the layers run on the P prompts ([P, Lp] tokens) and
-on the B = P * G completions ([B, N] tokens): each completion token attends to its prompt's keys
-and values (shared by its group) and causally to its own row's, with one softmax over both.
-The result equals the plain forward's up to float rounding, and gradients flow into the shared
-prompt states from all G rows. With a bucketed prompt as long as the completion, the layers see
-about half the tokens (P * Lp + B * N instead of B * (Lp + N)).
+on the B = P * G completions ([B, N] tokens); in each layer a completion token attends to its
+prompt's keys and values and causally to its own row's, one softmax over both. The result
+equals the plain forward's up to float rounding, and gradients reach the shared prompt states
+from all G rows. With a bucketed prompt as long as the completion, the layers see about half
+the tokens (P * Lp + B * N instead of B * (Lp + N)).
+
+The prompt's keys and values are repeated for its G rows before attention ([B, K, Lp, D] per
+layer): in training, attention is a small share of the work next to the projections, and the
+copy lets the completions reuse `grouped_query_attention` (decoding, which is bound by memory
+traffic, reads one shared copy instead: `models.group_decode`).
 
 Rows are prompt-major (row p * G + g answers prompt p). Dimension letters as in
 `models.transformer`, plus P prompts, Lp prompt tokens, N completion tokens, G rows per prompt.
@@ -20,7 +25,6 @@ import jax.numpy as jnp
 
 from models.config import ModelConfig
 from models.transformer import (
-    _MASKED,
     attention_inputs,
     embed_tokens,
     finish_layer,
@@ -61,18 +65,32 @@ def group_completion_hidden(
     completion_key_mask = attention_mask[:, prompt_length:]  # [B, N]
     prompt_cos, prompt_sin = rope_tables(config, positions[::group_size, :prompt_length])
     completion_cos, completion_sin = rope_tables(config, positions[:, prompt_length:])
-    causal = jnp.tril(jnp.ones((prompt_length, prompt_length), bool))  # [Lp, Lp]
-    prompt_attention_mask = causal[None] & prompt_mask[:, None, :].astype(bool)  # [P, Lp, Lp]
+    # Prompt tokens attend causally within their prompt; completion tokens to their prompt's
+    # real tokens and causally to their own row's real tokens.
+    prompt_causal = jnp.tril(jnp.ones((prompt_length, prompt_length), bool))  # [Lp, Lp]
+    prompt_attention_mask = prompt_causal & prompt_mask[:, None, :].astype(bool)  # [P, Lp, Lp]
+    row_prompt_mask = jnp.repeat(prompt_mask, group_size, axis=0).astype(bool)  # [B, Lp]
+    completion_causal = jnp.tril(jnp.ones((n, n), bool))  # [N, N]
+    completion_attention_mask = jnp.concatenate(
+        [
+            jnp.broadcast_to(row_prompt_mask[:, None, :], (rows, n, prompt_length)),
+            completion_causal & completion_key_mask[:, None, :].astype(bool),
+        ],
+        axis=2,
+    )  # [B, N, Lp + N]
 
     def layer(carry, layer_params):
         prompt_x, completion_x = carry  # [P, Lp, E], [B, N, E]
         q, k, v = attention_inputs(config, layer_params, prompt_x, prompt_cos, prompt_sin)
-        attention = grouped_query_attention(q, k, v, prompt_attention_mask)
+        attention = grouped_query_attention(q, k, v, prompt_attention_mask)  # [P, Lp, H, D]
         new_prompt_x = finish_layer(config, layer_params, prompt_x, attention)
+
         cq, ck, cv = attention_inputs(
             config, layer_params, completion_x, completion_cos, completion_sin
-        )
-        attention = prompt_shared_attention(cq, k, v, ck, cv, prompt_mask, completion_key_mask)
+        )  # ck, cv [B, K, N, D]
+        keys = jnp.concatenate([jnp.repeat(k, group_size, axis=0), ck], axis=2)  # [B, K, Lp+N, D]
+        values = jnp.concatenate([jnp.repeat(v, group_size, axis=0), cv], axis=2)
+        attention = grouped_query_attention(cq, keys, values, completion_attention_mask)
         new_completion_x = finish_layer(config, layer_params, completion_x, attention)
         return (new_prompt_x, new_completion_x), None
 
@@ -86,49 +104,3 @@ def group_completion_hidden(
     last_prompt = jnp.repeat(prompt_x[:, -1:], group_size, axis=0)  # [B, 1, E]
     predicting = jnp.concatenate([last_prompt, completion_x[:, :-1]], axis=1)  # [B, N, E]
     return rms_norm(predicting, params["final_norm"], config.rms_norm_eps)
-
-
-def prompt_shared_attention(
-    q: jax.Array,  # [B, N, H, D]: the completion tokens' queries
-    prompt_k: jax.Array,  # [P, K, Lp, D]
-    prompt_v: jax.Array,  # [P, K, Lp, D]
-    completion_k: jax.Array,  # [B, K, N, D]
-    completion_v: jax.Array,  # [B, K, N, D]
-    prompt_mask: jax.Array,  # [P, Lp]: 1 on real prompt tokens
-    completion_mask: jax.Array,  # [B, N]: 1 on real completion tokens
-) -> jax.Array:  # [B, N, H, D]
-    """Completion tokens attending to their prompt's keys and causally to their own row's.
-
-    The numerics of `models.transformer.grouped_query_attention` (scores and softmax in f32,
-    one softmax over prompt and completion keys); the G rows of a prompt read its keys as
-    one [G * G' * N, D] x [D, Lp] product per prompt and kv head, never copied G times.
-    """
-    rows, length, heads, dim = q.shape
-    prompts, kv_heads, prompt_length, _ = prompt_k.shape
-    group, per_kv = rows // prompts, heads // kv_heads
-    q = q.reshape(prompts, group, length, kv_heads, per_kv, dim).transpose(0, 3, 1, 4, 2, 5)
-
-    def by_prompt(x):  # [B, K, N, D] -> [P, K, G, N, D]
-        return x.reshape(prompts, group, kv_heads, length, dim).transpose(0, 2, 1, 3, 4)
-
-    completion_k, completion_v = by_prompt(completion_k), by_prompt(completion_v)
-    # q is [P, K, G, G', N, D]: batch (p, k) against the prompt, (p, k, g) against the row.
-    prompt_scores = jnp.einsum(
-        "pkgqnd,pkld->pkgqnl", q, prompt_k, preferred_element_type=jnp.float32
-    )
-    completion_scores = jnp.einsum(
-        "pkgqnd,pkgmd->pkgqnm", q, completion_k, preferred_element_type=jnp.float32
-    )
-    scores = jnp.concatenate([prompt_scores, completion_scores], axis=-1) * (dim**-0.5)
-    causal = jnp.tril(jnp.ones((length, length), bool))  # [N (query), N (key)]
-    own = completion_mask.astype(bool).reshape(prompts, 1, group, 1, 1, length) & causal
-    prompt_keys = jnp.broadcast_to(
-        prompt_mask.astype(bool)[:, None, None, None, None, :],
-        (prompts, 1, group, 1, length, prompt_length),
-    )
-    mask = jnp.concatenate([prompt_keys, own], axis=-1)  # [P, 1, G, 1, N, Lp + N]
-    probs = jax.nn.softmax(jnp.where(mask, scores, _MASKED), axis=-1).astype(prompt_v.dtype)
-    out = jnp.einsum("pkgqnl,pkld->pkgqnd", probs[..., :prompt_length], prompt_v) + jnp.einsum(
-        "pkgqnm,pkgmd->pkgqnd", probs[..., prompt_length:], completion_v
-    )
-    return out.transpose(0, 2, 4, 1, 3, 5).reshape(rows, length, heads, dim)

@@ -10,9 +10,9 @@ import pytest
 from tiny_hf import FAMILIES, VOCAB
 
 from jgrpo.update import Batch, UpdateConfig, init_state, train_step
-from models.group_forward import group_completion_hidden, prompt_shared_attention
+from models.group_forward import group_completion_hidden
 from models.hf import from_pretrained
-from models.transformer import forward, grouped_query_attention
+from models.transformer import forward
 
 PROMPTS, GROUP, PROMPT_LENGTH, NEW_TOKENS = 3, 4, 7, 5
 
@@ -64,38 +64,6 @@ def shared_hidden(params, batch, config):
 def predicting_mask(batch):
     """[B, N] positions whose hidden state predicts a real completion token."""
     return np.asarray(batch.completion_mask)
-
-
-def test_prompt_shared_attention_equals_attention_over_the_copied_prompt():
-    prompts, group, kv_heads, per_kv, dim, prompt_length, length = 2, 3, 2, 3, 8, 5, 4
-    rows = prompts * group
-    keys = jax.random.split(jax.random.key(0), 5)
-    q = jax.random.normal(keys[0], (rows, length, kv_heads * per_kv, dim))
-    prompt_k, prompt_v = (
-        jax.random.normal(k, (prompts, kv_heads, prompt_length, dim)) for k in keys[1:3]
-    )
-    completion_k, completion_v = (
-        jax.random.normal(k, (rows, kv_heads, length, dim)) for k in keys[3:5]
-    )
-    prompt_mask = np.ones((prompts, prompt_length), np.int32)
-    prompt_mask[1, :3] = 0  # left padding
-    completion_mask = np.ones((rows, length), np.int32)
-    completion_mask[2, 2:] = 0  # a row that stopped early
-
-    got = prompt_shared_attention(
-        q, prompt_k, prompt_v, completion_k, completion_v, prompt_mask, completion_mask
-    )
-    # Reference: each prompt's keys copied to its G rows, then ordinary causal attention.
-    copied_k = jnp.concatenate([jnp.repeat(prompt_k, group, 0), completion_k], axis=2)
-    copied_v = jnp.concatenate([jnp.repeat(prompt_v, group, 0), completion_v], axis=2)
-    key_mask = np.concatenate([np.repeat(prompt_mask, group, 0), completion_mask], axis=1)
-    causal = np.concatenate(
-        [np.ones((length, prompt_length), bool), np.tril(np.ones((length, length), bool))], 1
-    )
-    mask = key_mask.astype(bool)[:, None, :] & causal[None]  # [B, N, Lp + N]
-    expected = grouped_query_attention(q, copied_k, copied_v, mask)
-    assert got.shape == (rows, length, kv_heads * per_kv, dim)
-    np.testing.assert_allclose(got, expected, atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
