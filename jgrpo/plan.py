@@ -141,6 +141,8 @@ def _abstract(tree, shardings):
 
 def plan_memory(trainer, micro_batch_candidates: Sequence[int] = ()) -> MemoryPlan:
     """Compiles the trainer's rollout and update for its mesh and sizes every part."""
+    from jgrpo.train import shared_prompt_rows  # jgrpo.train imports this module
+
     c, mc, mesh = trainer.config, trainer.model_config, trainer.mesh
     params = _abstract(jax.eval_shape(trainer.model.params), trainer.param_shardings)
     opt_state = jax.eval_shape(trainer.optimizer.init, params)
@@ -203,9 +205,14 @@ def plan_memory(trainer, micro_batch_candidates: Sequence[int] = ()) -> MemoryPl
     for candidate in micro_batch_candidates:
         if candidate == micro_rows or per_minibatch % candidate or candidate % shard_rows:
             continue
+        accumulation = per_minibatch // candidate
         config = dataclasses.replace(
-            trainer.update_config, grad_accumulation=per_minibatch // candidate
-        )
+            trainer.update_config,
+            grad_accumulation=accumulation,
+            shared_prompt_rows=shared_prompt_rows(
+                c, grad_accumulation=accumulation, batch_shards=shard_rows
+            ),
+        )  # the update the trainer would run with that accumulation
         scratch = update_scratch(config)
         plan.fits[candidate] = plan.resident + plan.batch + scratch
     return plan

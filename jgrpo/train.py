@@ -209,16 +209,18 @@ def build_task(config: Config) -> tasks.Task:
     return task
 
 
-def update_config_of(config: Config, *, beta_in_loss: float, batch_shards: int = 1) -> UpdateConfig:
-    """The update's settings; `batch_shards` is the mesh's data x fsdp size.
-
-    Each prompt's forward runs once for its G rows when every micro-batch holds whole groups
-    whose prompts split evenly over the batch shards (always true without accumulation).
-    """
-    algo = config.algorithm
+def shared_prompt_rows(config: Config, *, grad_accumulation: int, batch_shards: int) -> int:
+    """G when every micro-batch holds whole groups whose prompts split evenly over the
+    `batch_shards` (mesh data x fsdp), so the update runs each prompt once per group; else 1."""
     prompts = config.rollout.prompts_per_step
-    parts = algo.num_minibatches * algo.grad_accumulation
+    parts = config.algorithm.num_minibatches * grad_accumulation
     whole_groups = prompts % parts == 0 and (prompts // parts) % batch_shards == 0
+    return config.rollout.num_generations if whole_groups else 1
+
+
+def update_config_of(config: Config, *, beta_in_loss: float, batch_shards: int = 1) -> UpdateConfig:
+    """The update's settings; `batch_shards` is the mesh's data x fsdp size."""
+    algo = config.algorithm
     return UpdateConfig(
         num_iterations=algo.num_iterations,
         num_minibatches=algo.num_minibatches,
@@ -230,7 +232,9 @@ def update_config_of(config: Config, *, beta_in_loss: float, batch_shards: int =
         kl_estimator=algo.kl_estimator,
         ratio_level=algo.ratio_level,
         temperature=config.rollout.temperature,
-        shared_prompt_rows=config.rollout.num_generations if whole_groups else 1,
+        shared_prompt_rows=shared_prompt_rows(
+            config, grad_accumulation=algo.grad_accumulation, batch_shards=batch_shards
+        ),
     )
 
 
