@@ -101,6 +101,10 @@ class AlgorithmSection:
     num_iterations: int = option(1, "mu: update passes over each rollout")
     num_minibatches: int = option(1, "optimizer steps per pass")
     grad_accumulation: int = option(1, "micro-batches per minibatch")
+    shared_prompt_forward: bool = option(
+        False,
+        "update: run each prompt once per group, not G times (equal results, less work)",
+    )
     dynamic_sampling: bool = option(False, "DAPO: replace groups with equal rewards by new ones")
     max_extra_rollouts: int = option(2, "dynamic sampling: extra rollouts allowed per step")
     overlong_buffer: int = option(0, "DAPO soft overlong penalty over the last N tokens (0 = off)")

@@ -210,8 +210,11 @@ def build_task(config: Config) -> tasks.Task:
 
 
 def shared_prompt_rows(config: Config, *, grad_accumulation: int, batch_shards: int) -> int:
-    """G when every micro-batch holds whole groups whose prompts split evenly over the
-    `batch_shards` (mesh data x fsdp), so the update runs each prompt once per group; else 1."""
+    """G when `algorithm.shared_prompt_forward` is on and every micro-batch holds whole groups
+    whose prompts split evenly over the `batch_shards` (mesh data x fsdp), so the update runs
+    each prompt once per group; else 1."""
+    if not config.algorithm.shared_prompt_forward:
+        return 1
     prompts = config.rollout.prompts_per_step
     parts = config.algorithm.num_minibatches * grad_accumulation
     whole_groups = prompts % parts == 0 and (prompts // parts) % batch_shards == 0
@@ -646,14 +649,16 @@ class Trainer:
     def frozen_logprobs(self, params, batch: Batch) -> jax.Array:
         """f32[R, N] log-probs of the batch's completions under `params`, split by rows."""
         temperature = self.config.rollout.temperature
+        # The whole batch: whole groups on every batch shard.
+        rows = self.group_size if self.config.algorithm.shared_prompt_forward else 1
         program = _shared_program(
-            ("frozen_logprobs", self.mesh, self.model_config, temperature, self.group_size),
+            ("frozen_logprobs", self.mesh, self.model_config, temperature, rows),
             lambda: jax.jit(
                 functools.partial(
                     _frozen_logprobs,
                     model_config=self.model_config,
                     temperature=temperature,
-                    shared_prompt_rows=self.group_size,  # whole groups on every batch shard
+                    shared_prompt_rows=rows,
                 ),
                 out_shardings=self.row_matrix,
             ),
