@@ -102,7 +102,7 @@ class AlgorithmSection:
     num_minibatches: int = option(1, "optimizer steps per pass")
     grad_accumulation: int = option(1, "micro-batches per minibatch")
     shared_prompt_forward: bool = option(
-        False,
+        True,
         "update: run each prompt once per group, not G times (equal results, less work)",
     )
     dynamic_sampling: bool = option(False, "DAPO: replace groups with equal rewards by new ones")

@@ -37,7 +37,7 @@ class UpdateConfig:
     micro-batch holds whole groups. The layers then run each prompt once for its group and
     its G completions on top (`models.group_forward`): the same log-probs and gradients up to
     float rounding, with about half the tokens when the prompt is as long as the completion.
-    The training loop sets it with `algorithm.shared_prompt_forward=true` whenever
+    The training loop sets it (`algorithm.shared_prompt_forward`, on by default) whenever
     micro-batches and batch shards hold whole groups.
     """
 

@@ -53,7 +53,6 @@ def jgrpo_config(checkpoint: Path, steps: int):
             f"algorithm.beta={workload.BETA}",
             "algorithm.num_iterations=1",
             "algorithm.num_minibatches=1",
-            "algorithm.shared_prompt_forward=true",
             f"optim.lr={workload.LEARNING_RATE}",
             f"train.steps={steps}",
             "task.reward_workers=0",  # a cheap verifier: in-process

@@ -326,15 +326,14 @@ def test_the_update_runs_each_prompt_once_when_batches_hold_whole_groups():
             [
                 "rollout.prompts_per_step=4",
                 "rollout.num_generations=8",
-                "algorithm.shared_prompt_forward=true",
                 *overrides,
             ],
         )
         update = train_module.update_config_of(config, beta_in_loss=0.0, batch_shards=batch_shards)
         return update.shared_prompt_rows
 
-    assert shared_rows() == 8
-    assert shared_rows("algorithm.shared_prompt_forward=false") == 1  # the default
+    assert shared_rows() == 8  # on by default
+    assert shared_rows("algorithm.shared_prompt_forward=false") == 1
     assert shared_rows("algorithm.num_minibatches=2", "algorithm.grad_accumulation=2") == 8
     assert shared_rows("algorithm.grad_accumulation=8") == 1  # 4 rows per micro-batch
     assert shared_rows(batch_shards=4) == 8
