@@ -46,6 +46,7 @@ from jgrpo.config import (
     with_smoke,
 )
 from jgrpo.generation import encode_prompts, pad_prompts, stop_token_ids
+from jgrpo.huge_pages import reexec_with_huge_pages
 from jgrpo.losses import sequence_kl
 from jgrpo.metrics import MetricsWriter, ProgressBar
 from jgrpo.plan import check_memory
@@ -1121,4 +1122,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    reexec_with_huge_pages()  # on Linux CPUs: 2 MiB pages for XLA's buffers (returns if not)
     sys.exit(main())

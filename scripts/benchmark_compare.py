@@ -11,7 +11,8 @@ TRL and Tunix with the Python of their own virtual environments (never project d
 docs/benchmarks.md says how to make them) when the flags name one. Each prints a `RESULT`
 JSON line: the first step (compilation / warm-up) apart, then per-step seconds of the whole
 step, sampling, the reference pass and the update; the table shows medians and each peer's
-time over jgrpo's.
+time over jgrpo's. Every library's process gets the environment that `python -m jgrpo.train`
+gives itself (glibc's huge-page tunable where it helps: `jgrpo.huge_pages`), so all run alike.
 
 jgrpo's step is `jgrpo.train.Trainer.step`, the training loop's own step. Its reference pass
 runs inside the update program, so its column is that pass compiled on its own and timed on
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -149,12 +151,20 @@ def run_library(name: str, python: str, checkpoint: Path, steps: int) -> dict | 
         command = [python, str(SCRIPTS / "peers" / f"{name}_step.py")]
     command += ["--checkpoint", str(checkpoint), "--steps", str(steps)]
     print(f"running {name}: {' '.join(command)}", file=sys.stderr, flush=True)
-    done = subprocess.run(command, capture_output=True, text=True)
+    done = subprocess.run(command, capture_output=True, text=True, env=child_environment())
     results = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode != 0 or not results:
         print(f"{name} failed (exit {done.returncode}):\n{done.stderr[-3000:]}", file=sys.stderr)
         return None
     return json.loads(results[-1].removeprefix("RESULT "))
+
+
+def child_environment() -> dict[str, str]:
+    """The environment of every library's process: the one `python -m jgrpo.train` gives
+    itself (glibc's huge-page tunable where it helps, `jgrpo.huge_pages`), for all alike."""
+    from jgrpo.huge_pages import local_huge_page_environment
+
+    return local_huge_page_environment(os.environ) or dict(os.environ)
 
 
 def table(results: list[dict]) -> str:
@@ -211,6 +221,9 @@ def main(argv: list[str] | None = None) -> int:
         f"f32; medians of {args.steps} steps after the first\n"
     )
     print(table(results))
+    tunables = child_environment().get("GLIBC_TUNABLES")
+    if tunables:
+        print(f"\nEvery library ran with GLIBC_TUNABLES={tunables}, as jgrpo's CLI runs itself.")
     peak = ours["matmul_peak_flops"]
     update = statistics.median(ours["update_s"])  # the reference pass runs inside it
     reference = ours["reference_s"][0]
