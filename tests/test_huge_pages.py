@@ -45,7 +45,7 @@ def test_the_kernel_mode_is_the_bracketed_word(tmp_path):
 # Re-executes itself when the tunable helps, then fills 64 MiB of fresh malloc'd memory and
 # prints the tunables it runs with and the minor page faults that filling it took.
 _CHILD = """
-import resource, sys
+import resource
 from jgrpo.huge_pages import reexec_with_huge_pages
 reexec_with_huge_pages()
 import os
@@ -58,7 +58,7 @@ print(repr(os.environ.get("GLIBC_TUNABLES", "")), faults)
 
 
 def _run_child(environ):
-    """(GLIBC_TUNABLES as the child ran with it, repr'd; the page faults of its writing)."""
+    """(GLIBC_TUNABLES as the child ran with it, repr'd; the page faults of filling 64 MiB)."""
     done = subprocess.run(
         [sys.executable, "-c", _CHILD], env=environ, capture_output=True, text=True, check=True
     )
