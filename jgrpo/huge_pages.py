@@ -39,11 +39,13 @@ def huge_page_environment(
     if platform != "linux" or thp_mode != "madvise":
         return None
     name, _, version = libc.partition(" ")
+    if name != "glibc":
+        return None
     try:
         major, minor = (int(part) for part in version.split(".")[:2])
     except ValueError:
         return None
-    if name != "glibc" or (major, minor) < (2, 35):
+    if (major, minor) < (2, 35):
         return None
     tunables = environ.get("GLIBC_TUNABLES", "")
     if any(entry.split("=")[0] == TUNABLE for entry in tunables.split(":")):

@@ -77,7 +77,7 @@ def test_plan_command_line(capsys):
 
 def test_smaller_micro_batches_are_planned_as_the_trainer_would_run_them():
     """With G = 2, a 1-row micro-batch splits groups: the update runs every row in full."""
-    trainer = Trainer(load_config(None, [*SMALL, *FEW, "algorithm.shared_prompt_forward=true"]))
+    trainer = Trainer(load_config(None, [*SMALL, *FEW]))
     assert trainer.update_config.shared_prompt_rows == 2
     plan = plan_memory(trainer, micro_batch_candidates(4))
     assert sorted(plan.fits) == [1, 2, 4]

@@ -322,12 +322,7 @@ def test_the_update_runs_each_prompt_once_when_batches_hold_whole_groups():
 
     def shared_rows(*overrides, batch_shards=1):
         config = load_config(
-            None,
-            [
-                "rollout.prompts_per_step=4",
-                "rollout.num_generations=8",
-                *overrides,
-            ],
+            None, ["rollout.prompts_per_step=4", "rollout.num_generations=8", *overrides]
         )
         update = train_module.update_config_of(config, beta_in_loss=0.0, batch_shards=batch_shards)
         return update.shared_prompt_rows
