@@ -27,8 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jgrpo.config import ConfigError, load_config
-from jgrpo.sharding import replicated, rules_context
-from jgrpo.update import Batch, TrainState, UpdateConfig
+from jgrpo.sharding import abstract_arrays, replicated, rules_context
+from jgrpo.update import UpdateConfig
 
 GIB = 1024**3
 
@@ -131,45 +131,26 @@ def shard_bytes(tree) -> int:
     return total
 
 
-def _abstract(tree, shardings):
-    return jax.tree.map(
-        lambda leaf, sharding: jax.ShapeDtypeStruct(np.shape(leaf), leaf.dtype, sharding=sharding),
-        tree,
-        shardings,
-    )
-
-
 def plan_memory(trainer, micro_batch_candidates: Sequence[int] = ()) -> MemoryPlan:
     """Compiles the trainer's rollout and update for its mesh and sizes every part."""
     from jgrpo.train import shared_prompt_rows  # jgrpo.train imports this module
 
     c, mc, mesh = trainer.config, trainer.model_config, trainer.mesh
-    params = _abstract(jax.eval_shape(trainer.model.params), trainer.param_shardings)
-    opt_state = jax.eval_shape(trainer.optimizer.init, params)
-    opt_state = _abstract(opt_state, trainer.state_shardings.opt_state)
+    state, batch, reference = trainer.update_arguments()
+    params, opt_state = state.params, state.opt_state
     uses_reference = c.algorithm.beta > 0
     prompts, length = c.rollout.prompts_per_step, c.rollout.max_prompt_length
     rows, new_tokens = prompts * c.rollout.num_generations, c.rollout.max_new_tokens
 
-    def rows_array(shape, dtype, sharding):
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-
-    prompt = rows_array((prompts, length), jnp.int32, trainer.row_matrix)
+    prompt = jax.ShapeDtypeStruct((prompts, length), jnp.int32, sharding=trainer.row_matrix)
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=replicated(mesh))
     with rules_context(mesh):
         rollout = trainer.rollout_program(trainer.sampling, c.rollout.num_generations)
         rollout_memory = rollout.lower(params, prompt, prompt, key).compile().memory_analysis()
 
-    batch = Batch(
-        input_ids=rows_array((rows, length + new_tokens), jnp.int32, trainer.row_matrix),
-        attention_mask=rows_array((rows, length + new_tokens), jnp.int32, trainer.row_matrix),
-        completion_mask=rows_array((rows, new_tokens), jnp.bool_, trainer.row_matrix),
-        advantages=rows_array((rows,), jnp.float32, trainer.rows),
-    )
-    state = TrainState(params, opt_state, jax.ShapeDtypeStruct((), jnp.int32))
-    reference = params if trainer.update_config.beta > 0 else None
-
     def update_scratch(update_config: UpdateConfig) -> int:
+        if update_config == trainer.update_config:  # compiled ahead (or now) for the run
+            return trainer.compiled_update().memory_analysis().temp_size_in_bytes
         with rules_context(mesh):
             program = trainer.update_program(update_config)
             compiled = program.lower(state, batch, reference).compile()
@@ -238,7 +219,7 @@ def reward_model_memory(config, mesh) -> tuple[int, int]:
 
     rm_config = read_reward_config(rm.path)
     shapes = reward_param_shapes(rm_config, jnp.dtype(rm.dtype))
-    params = _abstract(shapes, tree_shardings(shapes, reward_param_axes(rm_config), mesh))
+    params = abstract_arrays(shapes, tree_shardings(shapes, reward_param_axes(rm_config), mesh))
     rows = scoring_rows(rm.batch_size, mesh)
     length = bucket_length(rm.max_length, DEFAULT_BUCKETS)
     ids = jax.ShapeDtypeStruct((rows, length), jnp.int32, sharding=row_shardings(mesh)[1])

@@ -131,6 +131,16 @@ def _is_axis_names(x) -> bool:
     return type(x) is tuple and bool(x) and all(isinstance(a, str) or a is None for a in x)
 
 
+def abstract_arrays(tree, shardings):
+    """ShapeDtypeStructs of a pytree of arrays (or ShapeDtypeStructs) with the given
+    shardings: arguments for compiling a program ahead of time (`jit(f).lower(...)`)."""
+    return jax.tree.map(
+        lambda leaf, sharding: jax.ShapeDtypeStruct(np.shape(leaf), leaf.dtype, sharding=sharding),
+        tree,
+        shardings,
+    )
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 

@@ -16,6 +16,7 @@ SIGTERM (TPU preemption) saves one and exits 0. With no arguments the CPU demo r
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
@@ -54,6 +55,7 @@ from jgrpo.rewards import Scores, score_completions
 from jgrpo.rewards.pool import VerifierPool
 from jgrpo.sampling import Rollout, SamplingConfig, rollout
 from jgrpo.sharding import (
+    abstract_arrays,
     make_mesh,
     optimizer_state_shardings,
     replicated,
@@ -469,6 +471,7 @@ class Trainer:
             step=replicated(self.mesh),
         )
         self.update = self.update_program(self.update_config)
+        self._update_compiling: concurrent.futures.Future | None = None
         self.block = distributed.RowBlock(self.rows)  # the rows this process handles
 
     def update_program(self, update_config: UpdateConfig) -> Callable:
@@ -494,6 +497,55 @@ class Trainer:
             out_shardings=(self.state_shardings, replicated(self.mesh)),
             donate_argnums=0,
         )
+
+    def update_arguments(self) -> tuple[TrainState, Batch, dict | None]:
+        """The update's arguments as ShapeDtypeStructs with their shardings: the state, the
+        batch `to_batch` makes at every step (prompts_per_step x G rows of max_prompt_length
+        + max_new_tokens tokens) and the reference parameters (None when beta is 0)."""
+        r = self.config.rollout
+        rows, length = r.prompts_per_step * r.num_generations, r.max_prompt_length
+        params = abstract_arrays(jax.eval_shape(self.model.params), self.param_shardings)
+        opt_state = abstract_arrays(
+            jax.eval_shape(self.optimizer.init, params), self.state_shardings.opt_state
+        )
+        step = jax.ShapeDtypeStruct((), jnp.int32, sharding=self.state_shardings.step)
+
+        def rows_of(shape, dtype, sharding):
+            return jax.ShapeDtypeStruct((rows, *shape), dtype, sharding=sharding)
+
+        batch = Batch(
+            input_ids=rows_of((length + r.max_new_tokens,), jnp.int32, self.row_matrix),
+            attention_mask=rows_of((length + r.max_new_tokens,), jnp.int32, self.row_matrix),
+            completion_mask=rows_of((r.max_new_tokens,), jnp.bool_, self.row_matrix),
+            advantages=rows_of((), jnp.float32, self.rows),
+        )
+        reference = params if self.update_config.beta > 0 else None
+        return TrainState(params, opt_state, step), batch, reference
+
+    def compile_update_ahead(self) -> None:
+        """Starts compiling the update in a background thread.
+
+        XLA compiles without holding the GIL, so the update compiles while the first rollout
+        compiles and samples (on an accelerator, while the device works). The program lands
+        in jit's cache: the first step waits for it and its call compiles nothing.
+        """
+        if self._update_compiling is not None:
+            return
+        arguments = self.update_arguments()
+
+        def compile_update() -> jax.stages.Compiled:
+            with rules_context(self.mesh):  # its rules are per thread
+                return self.update.lower(*arguments).compile()
+
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jgrpo-compile")
+        self._update_compiling = pool.submit(compile_update)
+        pool.shutdown(wait=False)  # the thread ends with its one task
+
+    def compiled_update(self) -> jax.stages.Compiled:
+        """The update compiled for this run's batch: waits for `compile_update_ahead` (started
+        here if it was not) and raises what its compilation raised."""
+        self.compile_update_ahead()
+        return self._update_compiling.result()
 
     def rollout_program(self, sampling: SamplingConfig, num_generations: int) -> Callable:
         """`jgrpo.sampling.rollout` jitted with the prompts split over the batch axes."""
@@ -772,6 +824,7 @@ class Trainer:
         batch = self.to_batch(groups, advantages)
 
         update_start = time.perf_counter()
+        self.compiled_update()  # at the first step: the compile started ahead, finished
         with rules_context(self.mesh):
             state, update = self.update(
                 state, batch, ref_params if self.update_config.beta > 0 else None
@@ -928,6 +981,7 @@ def train(
     run_dir.mkdir(parents=True, exist_ok=True)
     distributed.check_shared_directory(run_dir)  # several hosts write one checkpoint
     trainer = Trainer(c, task)
+    trainer.compile_update_ahead()  # compiles while the plan and the first rollout run
     check_memory(trainer)  # before anything is allocated: a config that cannot fit stops here
 
     params = trainer.initial_params()

@@ -10,6 +10,7 @@ import textwrap
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -155,6 +156,49 @@ def test_the_policy_changes_and_adam_state_is_saved(tmp_path):
     )
     assert all(jax.tree.leaves(changed))
     assert int(result.state.step) == 2  # one optimizer step per training step here
+
+
+def test_the_update_compiled_ahead_is_the_program_the_first_step_calls(tmp_path, count_compiles):
+    """`train` compiles the update in a thread while the first rollout runs. The batch the
+    step makes must match the arguments it was compiled for (shapes, dtypes, shardings), so
+    that the step's call finds it in jit's cache and compiles nothing."""
+    # A learning rate no other test uses: an update program no other test compiled.
+    config = tiny_config(tmp_path, "optim.lr=7e-4", "algorithm.beta=0.04", "train.steps=2")
+    trainer = train_module.Trainer(config)
+    start = count_compiles()
+    trainer.compile_update_ahead()
+    trainer.compile_update_ahead()  # a second request joins the first
+    trainer.compiled_update()
+    assert count_compiles() == start + 1
+    params = trainer.initial_params()
+    reference = jax.tree.map(jnp.copy, params)
+    state = trainer.initial_state(params)
+    groups, _, _ = trainer.collect(state.params, reference, jax.random.key(0), 0)
+    batch = trainer.to_batch(groups, trainer.advantages(groups))
+
+    def signature(tree):
+        return jax.tree.map(lambda x: (x.shape, x.dtype, x.sharding), tree)
+
+    expected_state, expected_batch, expected_reference = trainer.update_arguments()
+    assert signature(batch) == signature(expected_batch)
+    assert signature(reference) == signature(expected_reference)
+    assert signature(state) == signature(expected_state)
+    before = count_compiles()  # the rollout and the advantages are compiled by now
+    state, metrics, _ = trainer.step(state, reference, 0, 0)
+    assert count_compiles() == before
+    assert int(state.step) == 1 and np.isfinite(metrics["loss"])
+
+
+def test_an_error_while_compiling_ahead_is_raised_by_the_step(tmp_path):
+    trainer = train_module.Trainer(tiny_config(tmp_path))
+
+    def broken(*args):
+        raise ValueError("cannot trace the update")
+
+    trainer.update = jax.jit(broken)
+    trainer.compile_update_ahead()
+    with pytest.raises(ValueError, match="cannot trace the update"):
+        trainer.compiled_update()
 
 
 # --- Resume after a kill ---------------------------------------------------------------------
