@@ -458,6 +458,7 @@ class Trainer:
         import models
 
         self.rows, self.row_matrix = row_shardings(self.mesh)  # [B] and [B, T] arrays
+        self.batch_shardings = Batch(self.row_matrix, self.row_matrix, self.row_matrix, self.rows)
         params = self.model.params()
         self.param_shardings = tree_shardings(
             params, models.transformer.param_axes(self.model_config), self.mesh
@@ -480,7 +481,6 @@ class Trainer:
         return _shared_program((*key, self.optimizer), lambda: self._jit_update(update_config))
 
     def _jit_update(self, update_config: UpdateConfig) -> Callable:
-        batch_shardings = Batch(self.row_matrix, self.row_matrix, self.row_matrix, self.rows)
         uses_ref = update_config.beta > 0
         return jax.jit(
             functools.partial(
@@ -491,7 +491,7 @@ class Trainer:
             ),
             in_shardings=(
                 self.state_shardings,
-                batch_shardings,
+                self.batch_shardings,
                 self.param_shardings if uses_ref else None,
             ),
             out_shardings=(self.state_shardings, replicated(self.mesh)),
@@ -509,15 +509,15 @@ class Trainer:
             jax.eval_shape(self.optimizer.init, params), self.state_shardings.opt_state
         )
         step = jax.ShapeDtypeStruct((), jnp.int32, sharding=self.state_shardings.step)
-
-        def rows_of(shape, dtype, sharding):
-            return jax.ShapeDtypeStruct((rows, *shape), dtype, sharding=sharding)
-
-        batch = Batch(
-            input_ids=rows_of((length + r.max_new_tokens,), jnp.int32, self.row_matrix),
-            attention_mask=rows_of((length + r.max_new_tokens,), jnp.int32, self.row_matrix),
-            completion_mask=rows_of((r.max_new_tokens,), jnp.bool_, self.row_matrix),
-            advantages=rows_of((), jnp.float32, self.rows),
+        tokens = length + r.max_new_tokens
+        batch = abstract_arrays(
+            Batch(
+                input_ids=jax.ShapeDtypeStruct((rows, tokens), jnp.int32),
+                attention_mask=jax.ShapeDtypeStruct((rows, tokens), jnp.int32),
+                completion_mask=jax.ShapeDtypeStruct((rows, r.max_new_tokens), jnp.bool_),
+                advantages=jax.ShapeDtypeStruct((rows,), jnp.float32),
+            ),
+            self.batch_shardings,
         )
         reference = params if self.update_config.beta > 0 else None
         return TrainState(params, opt_state, step), batch, reference
@@ -731,8 +731,7 @@ class Trainer:
             completion_mask=completion_mask,
             advantages=np.asarray(advantages, np.float32),
         )
-        shardings = Batch(self.row_matrix, self.row_matrix, self.row_matrix, self.rows)
-        return jax.tree.map(self.block.to_global, batch, shardings)
+        return jax.tree.map(self.block.to_global, batch, self.batch_shardings)
 
     def collect(self, params, ref_params, key, position: int) -> tuple[Groups, dict, int]:
         """Stages 1-3: rollouts (more than one with dynamic sampling) -> the step's groups.

@@ -189,7 +189,7 @@ def test_the_update_compiled_ahead_is_the_program_the_first_step_calls(tmp_path,
     assert int(state.step) == 1 and np.isfinite(metrics["loss"])
 
 
-def test_an_error_while_compiling_ahead_is_raised_by_the_step(tmp_path):
+def test_an_error_while_compiling_ahead_reaches_the_caller(tmp_path):
     trainer = train_module.Trainer(tiny_config(tmp_path))
 
     def broken(*args):
