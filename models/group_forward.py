@@ -29,6 +29,7 @@ from models.transformer import (
     embed_tokens,
     finish_layer,
     grouped_query_attention,
+    over_layers,
     rms_norm,
     rope_tables,
 )
@@ -100,7 +101,7 @@ def group_completion_hidden(
         embed_tokens(params["embed"], prompt_ids),
         embed_tokens(params["embed"], input_ids[:, prompt_length:]),
     )
-    (prompt_x, completion_x), _ = jax.lax.scan(layer, start, params["layers"])
+    (prompt_x, completion_x), _ = over_layers(layer, start, params["layers"], config.num_layers)
     last_prompt = jnp.repeat(prompt_x[:, -1:], group_size, axis=0)  # [B, 1, E]
     predicting = jnp.concatenate([last_prompt, completion_x[:, :-1]], axis=1)  # [B, N, E]
     return rms_norm(predicting, params["final_norm"], config.rms_norm_eps)

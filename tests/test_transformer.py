@@ -135,6 +135,61 @@ def test_remat_gives_the_same_gradients():
         np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)
 
 
+def test_scanned_and_unrolled_layers_agree(monkeypatch):
+    """Shallow models loop over their layers in Python, deeper ones scan: same results."""
+    import models.transformer
+    from models.group_forward import group_completion_hidden
+
+    config = preset("tiny")
+    assert config.num_layers <= models.transformer.MAX_UNROLLED_LAYERS  # tiny: unrolled
+    params = Transformer(config, rngs=nnx.Rngs(0)).params()
+    ids = jnp.asarray(batch()[0] % config.vocab_size)  # [2, T]; rows 0 and 1 as two groups
+    prompt_length = ids.shape[1] // 2
+
+    def loss(params):
+        logits = forward(params, ids, config=config)
+        plain = jgrpo.token_logprobs(logits[:, :-1], ids[:, 1:])[0].mean()
+        hidden = group_completion_hidden(
+            params,
+            ids,
+            jnp.ones_like(ids),
+            config=config,
+            group_size=1,
+            completion_length=ids.shape[1] - prompt_length,
+        )
+        return plain + jnp.mean(hidden**2)
+
+    def value_and_grads():
+        jax.clear_caches()  # `forward` is jitted: trace it again under the current setting
+        assert ("scan" in str(jax.make_jaxpr(loss)(params))) == (
+            config.num_layers > models.transformer.MAX_UNROLLED_LAYERS
+        )
+        return jax.jit(jax.value_and_grad(loss))(params)
+
+    unrolled = value_and_grads()
+    monkeypatch.setattr(models.transformer, "MAX_UNROLLED_LAYERS", 0)
+    scanned = value_and_grads()
+    for a, b in zip(jax.tree.leaves(unrolled), jax.tree.leaves(scanned), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("mesh_shape", "scans"), [((8, 1, 1), False), ((4, 2, 1), True), ((4, 1, 2), True)]
+)
+def test_shallow_models_scan_when_the_mesh_splits_their_weights(mesh_shape, scans):
+    """Split weights are gathered one layer at a time by a scan; an unrolled loop would hold
+    every layer's gathered weights at once."""
+    from jgrpo.sharding import make_mesh, rules_context
+
+    config = preset("tiny")
+    params = Transformer(config, rngs=nnx.Rngs(0)).params()
+    ids = jnp.zeros((8, 4), jnp.int32)
+    jax.clear_caches()  # `forward` is jitted and reads the mesh and rules while it traces
+    with rules_context(make_mesh(mesh_shape)):
+        program = str(jax.make_jaxpr(lambda p: forward(p, ids, config=config))(params))
+    assert ("scan" in program) == scans
+
+
 def test_every_parameter_has_logical_axes():
     model = Transformer(preset("tiny").replace(qkv_bias=True, qk_norm=True), rngs=nnx.Rngs(0))
     known = {"batch", "length", "embed", "vocab", "heads", "kv_heads", "head_dim", "mlp", "layers"}
