@@ -61,8 +61,18 @@ class RolloutSection:
     top_k: int = option(0, "sample among the k most likely tokens (0 = off)")
     min_p: float = option(0.0, "drop tokens below min_p x the top probability (0 = off)")
     max_prompt_length: int = option(256, "prompts are left-padded to this; longer is an error")
+    weights_dtype: str = option(
+        "float32",
+        "weight matrices while sampling: float32 (the parameters), or bfloat16 (a copy, f32 "
+        "sums: faster decoding, from the policy with its matrices rounded to bf16)",
+    )
 
     def check(self):
+        if self.weights_dtype not in ("float32", "bfloat16"):
+            raise ConfigError(
+                f"rollout.weights_dtype must be 'float32' or 'bfloat16', got "
+                f"{self.weights_dtype!r}."
+            )
         if self.num_generations < 2:
             raise ConfigError(
                 f"rollout.num_generations must be >= 2 (a group needs two completions to "

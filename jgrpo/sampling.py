@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from models.config import ModelConfig
 from models.group_decode import decode_step, prefill, unstack_layers
-from models.transformer import logits_from_hidden
+from models.transformer import logits_from_hidden, with_matmul_weights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +38,7 @@ class SamplingConfig:
     min_p: float = 0.0  # 0 = off
     stop_token_ids: tuple[int, ...] = ()  # EOS and, for chat models, the end-of-turn token
     pad_token_id: int = 0  # written after a row has stopped (always masked out)
+    weights_dtype: str = "float32"  # "bfloat16": bf16 weight matrices, f32 sums (see rollout)
 
     def __post_init__(self):
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -50,6 +51,10 @@ class SamplingConfig:
             raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}.")
         if not 0 <= self.min_p < 1:
             raise ValueError(f"min_p must be in [0, 1) (0 = off), got {self.min_p}.")
+        if self.weights_dtype not in ("float32", "bfloat16"):
+            raise ValueError(
+                f"weights_dtype must be 'float32' or 'bfloat16', got {self.weights_dtype!r}."
+            )
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
 
@@ -168,9 +173,16 @@ def rollout(
     Each prompt is prefilled once (cost independent of G) and its KV cache is shared by its G
     rows, never copied; only its last logits are repeated G times. The decode loop runs on
     device until every row has emitted a stop token or N tokens.
+
+    With `sampling.weights_dtype="bfloat16"` the weight matrices are cast once per rollout
+    (`models.transformer.with_matmul_weights`) and every product accumulates in f32: decoding
+    reads half the bytes, and tokens and their log-probs come from the policy with its
+    matrices rounded to bf16 (the update scores them with the f32 parameters).
     """
     prompts = prompt_ids.shape[0]
     rows, steps = prompts * num_generations, sampling.max_new_tokens
+    if sampling.weights_dtype != "float32":
+        params = with_matmul_weights(params, jnp.dtype(sampling.weights_dtype))
 
     # Prefill: P rows; the G rows of a prompt share its cache and start from its last logits.
     hidden, cache = prefill(

@@ -379,6 +379,7 @@ class Trainer:
             min_p=r.min_p,
             stop_token_ids=stop_token_ids(self.tokenizer, self.model_config),
             pad_token_id=self.tokenizer.pad_token_id or 0,
+            weights_dtype=r.weights_dtype,
         )
         if not self.sampling.stop_token_ids:
             raise ConfigError(

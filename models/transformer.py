@@ -337,11 +337,39 @@ def unembedding(params: dict) -> jax.Array:  # [E, V]
     return params["lm_head"] if "lm_head" in params else params["embed"].T
 
 
+def with_matmul_weights(params: dict, dtype) -> dict:
+    """`params` with its weight matrices in `dtype`: the layers' kernels, and the output
+    projection (`lm_head`, or for tied embeddings a copy of the [V, E] table as
+    `tied_unembedding`, since the lookup keeps the original's dtype); embeddings, norms and
+    biases keep theirs.
+
+    `project` and `logits_from_hidden` multiply f32 activations by such weights in `dtype`,
+    accumulating in f32: at bf16 that halves the bytes a decode step reads.
+    """
+    out = dict(params)
+    out["layers"] = {
+        name: value.astype(dtype) if name.endswith("_kernel") else value
+        for name, value in params["layers"].items()
+    }
+    if "lm_head" in params:
+        out["lm_head"] = params["lm_head"].astype(dtype)
+    else:
+        out["tied_unembedding"] = params["embed"].astype(dtype)
+    return out
+
+
 def logits_from_hidden(params: dict, hidden: jax.Array) -> jax.Array:
-    """f32 logits [..., V] from final hidden states [..., E]."""
-    logits = jnp.einsum(
-        "...e,ev->...v", hidden, unembedding(params), preferred_element_type=jnp.float32
-    )
+    """f32 logits [..., V] from final hidden states [..., E], multiplied in the table's dtype.
+
+    A tied table is read as its [V, E] rows, never transposed: XLA:CPU ran a transposed bf16
+    copy made inside the program 2-3x slower.
+    """
+    if "lm_head" in params:
+        table, spec = params["lm_head"], "...e,ev->...v"  # [E, V]
+    else:
+        table = params.get("tied_unembedding", params["embed"])  # [V, E]
+        spec = "...e,ve->...v"
+    logits = jnp.einsum(spec, hidden.astype(table.dtype), table, preferred_element_type=jnp.float32)
     if logits.ndim == 3:
         logits = constrain(logits, ("batch", "length", "vocab"))
     return logits
@@ -400,10 +428,18 @@ def project(x: jax.Array, kernel: jax.Array, contract: int = 1) -> jax.Array:
     the result is the same, but XLA:CPU then lays out the backward pass's weight-gradient
     products without transposed copies of the [B*T, M] activations (in a profile of the
     SmolLM2-135M benchmark update, the einsum form spent ~10 s in such copies; this one ~1.5).
+    A kernel in another dtype than x (bf16 weights for f32 activations, `with_matmul_weights`)
+    multiplies in the kernel's dtype and accumulates in f32.
     """
     inner, outer = kernel.shape[:contract], kernel.shape[contract:]
     lead = x.shape[: x.ndim - contract]
-    flat = x.reshape(math.prod(lead), math.prod(inner)) @ kernel.reshape(math.prod(inner), -1)
+    rows = x.reshape(math.prod(lead), math.prod(inner))  # [N, I]
+    columns = kernel.reshape(math.prod(inner), -1)  # [I, O]
+    if kernel.dtype == x.dtype:
+        flat = rows @ columns
+    else:  # XLA:CPU's fast bf16 products are those that accumulate in f32
+        flat = jnp.dot(rows.astype(kernel.dtype), columns, preferred_element_type=jnp.float32)
+        flat = flat.astype(x.dtype)
     return flat.reshape(*lead, *outer)
 
 

@@ -39,7 +39,7 @@ import compare_workload as workload  # noqa: E402
 STAGES = ("step_s", "sampling_s", "reference_s", "update_s")
 
 
-def jgrpo_config(checkpoint: Path, steps: int):
+def jgrpo_config(checkpoint: Path, steps: int, sampling_weights: str = "float32"):
     from jgrpo.config import load_config
 
     return load_config(
@@ -59,11 +59,12 @@ def jgrpo_config(checkpoint: Path, steps: int):
             f"train.steps={steps}",
             "task.reward_workers=0",  # a cheap verifier: in-process
             "mesh.devices=1",
+            f"rollout.weights_dtype={sampling_weights}",
         ],
     )
 
 
-def run_jgrpo(checkpoint: Path, steps: int) -> str:
+def run_jgrpo(checkpoint: Path, steps: int, sampling_weights: str = "float32") -> str:
     """`steps` + 1 trainer steps of the workload (the first compiles): the RESULT line."""
     import jax
     import jax.numpy as jnp
@@ -82,7 +83,7 @@ def run_jgrpo(checkpoint: Path, steps: int) -> str:
         reward_weights={"distinct_words": 1.0},
         correctness="distinct_words",
     )
-    trainer = Trainer(jgrpo_config(checkpoint, steps + 1), task)
+    trainer = Trainer(jgrpo_config(checkpoint, steps + 1, sampling_weights), task)
     # Exactly NEW_TOKENS per completion: no stop tokens (benchmark only).
     trainer.sampling = dataclasses.replace(trainer.sampling, stop_token_ids=())
     started = time.perf_counter()
@@ -114,8 +115,11 @@ def run_jgrpo(checkpoint: Path, steps: int) -> str:
     rows, length = batch.input_ids.shape
     shared = trainer.update_config.shared_prompt_rows
     flops = forward_flops(trainer.model_config, rows, length, workload.NEW_TOKENS, shared)
+    label = f"jgrpo (jax {jax.__version__})"
+    if sampling_weights != "float32":
+        label = f"jgrpo, {sampling_weights} sampling weights"
     return workload.result_line(
-        f"jgrpo (jax {jax.__version__})",
+        label,
         [
             {
                 "step": m["time/step"],
@@ -149,8 +153,10 @@ def _median_time(run, repeats: int) -> float:
 
 def run_library(name: str, python: str, checkpoint: Path, steps: int) -> dict | None:
     """Runs one library's step script in a fresh process and parses its RESULT line."""
-    if name == "jgrpo":
-        command = [python, __file__, "--_library", "jgrpo"]
+    if name.startswith("jgrpo"):  # "jgrpo" or "jgrpo:bfloat16" (its sampling weights)
+        _, _, weights = name.partition(":")
+        command = [python, __file__, "--_library", "jgrpo", "--sampling-weights"]
+        command.append(weights or "float32")
     else:
         command = [python, str(SCRIPTS / "peers" / f"{name}_step.py")]
     command += ["--checkpoint", str(checkpoint), "--steps", str(steps)]
@@ -200,15 +206,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trl-python", help="the python of a virtual env with TRL installed")
     parser.add_argument("--tunix-python", help="the python of a virtual env with Tunix installed")
     parser.add_argument("--workdir", default="/tmp/jgrpo-compare", help="where the checkpoint is")
+    parser.add_argument(
+        "--bf16-sampling",
+        action="store_true",
+        help="also run jgrpo with rollout.weights_dtype=bfloat16 (a row of its own)",
+    )
+    parser.add_argument("--sampling-weights", default="float32", help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
     parser.add_argument("--_library", help=argparse.SUPPRESS)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if args._library == "jgrpo":  # the child process
-        print(run_jgrpo(Path(args.checkpoint), args.steps), flush=True)
+        print(run_jgrpo(Path(args.checkpoint), args.steps, args.sampling_weights), flush=True)
         return 0
 
     checkpoint = workload.build_checkpoint(Path(args.workdir) / args.model, args.model)
     libraries = [("jgrpo", sys.executable)]
+    if args.bf16_sampling:
+        libraries.append(("jgrpo:bfloat16", sys.executable))
     libraries += [
         (name, python)
         for name, python in (("tunix", args.tunix_python), ("trl", args.trl_python))

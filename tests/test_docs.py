@@ -283,7 +283,7 @@ def _check_script(script: str, args: list[str], workdir, run: bool) -> tuple | N
     source = ROOT / script
     if script == "scripts/benchmark.py" and args[0] != "step":
         source = ROOT / "scripts" / f"benchmark_{args[0]}.py"  # the mode's own script
-    known = set(re.findall(r'"(--[a-z-]+)"', source.read_text()))
+    known = set(re.findall(r'"(--[a-z0-9-]+)"', source.read_text()))
     unknown = {a for a in args if a.startswith("--")} - known
     assert not unknown, f"{script} has no flag {unknown}"
     key = ("script", script, *args[:1])  # one tiny run per script and mode

@@ -190,6 +190,33 @@ def test_shallow_models_scan_when_the_mesh_splits_their_weights(mesh_shape, scan
     assert ("scan" in program) == scans
 
 
+def test_bf16_weight_matrices_multiply_rounded_inputs_and_sum_in_f32():
+    from models.transformer import logits_from_hidden, project, with_matmul_weights
+
+    config = preset("tiny").replace(tie_word_embeddings=True)
+    params = Transformer(config, rngs=nnx.Rngs(0)).params()
+    assert "lm_head" not in params  # tied: the bf16 copy of the table is for the logits only
+    low = with_matmul_weights(params, jnp.bfloat16)
+    assert {k: v.dtype for k, v in low["layers"].items()} == {
+        k: jnp.bfloat16 if k.endswith("_kernel") else jnp.float32 for k in params["layers"]
+    }
+    assert low["embed"].dtype == jnp.float32 and low["final_norm"].dtype == jnp.float32
+    np.testing.assert_array_equal(low["tied_unembedding"], params["embed"].astype(jnp.bfloat16))
+    assert "lm_head" not in low
+
+    def rounded(a):  # bf16 values, exactly, in f64
+        return np.asarray(jnp.asarray(a).astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+
+    x = jax.random.normal(jax.random.key(1), (2, 3, config.hidden_size))  # f32 activations
+    kernel = low["layers"]["up_kernel"][0]  # [E, M] in bf16
+    out = project(x, kernel)
+    assert out.dtype == jnp.float32
+    np.testing.assert_allclose(out, rounded(x) @ rounded(kernel), rtol=1e-5, atol=1e-6)
+    logits = logits_from_hidden(low, x)
+    expected = rounded(x) @ rounded(params["embed"]).T
+    np.testing.assert_allclose(logits, expected, rtol=1e-5, atol=1e-6)
+
+
 def test_every_parameter_has_logical_axes():
     model = Transformer(preset("tiny").replace(qkv_bias=True, qk_norm=True), rngs=nnx.Rngs(0))
     known = {"batch", "length", "embed", "vocab", "heads", "kv_heads", "head_dim", "mlp", "layers"}
