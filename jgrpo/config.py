@@ -43,10 +43,19 @@ class ModelSection:
     preset: str = option("tiny", "models preset used when path is None (random init)")
     dtype: str = option("float32", "parameter dtype: float32 or bfloat16")
     remat: bool = option(False, "recompute each layer in the backward pass (less memory)")
+    matmul_dtype: str = option(
+        "float32",
+        "operands of the update's matrix products: float32, or bfloat16 (mixed precision: "
+        "bf16 products summed in f32; parameters, optimizer state and activations stay f32)",
+    )
 
     def check(self):
         if self.dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"model.dtype must be 'float32' or 'bfloat16', got {self.dtype!r}.")
+        if self.matmul_dtype not in ("float32", "bfloat16"):
+            raise ConfigError(
+                f"model.matmul_dtype must be 'float32' or 'bfloat16', got {self.matmul_dtype!r}."
+            )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.layout import Layout, with_layout_constraint
 
 from jgrpo._checks import check_shape
 
@@ -59,7 +60,10 @@ def chunked_token_logprobs(
     The vocabulary is processed about `chunk_size` columns at a time (an online logsumexp
     carries the running max, the normaliser and the entropy's sum), and the backward pass
     recomputes each chunk instead of storing it: temporary memory is O(B*T*chunk_size)
-    instead of O(B*T*V). Logits are accumulated in f32 whatever the input dtype.
+    instead of O(B*T*V). Logits are accumulated in f32 whatever the input dtype. A table in
+    a lower precision than the hidden states (bf16 for f32 ones, as
+    `models.transformer.with_matmul_weights` makes) rounds the hidden states to its dtype:
+    every product, forward and backward, takes bf16 operands and sums in f32.
 
     Chunks are strided (chunk j holds columns j, j + n, j + 2n, ...), so a vocabulary axis
     sharded across devices stays evenly sharded inside every chunk.
@@ -81,8 +85,11 @@ def chunked_token_logprobs(
     flat_targets = targets.reshape(-1)  # [N]
     # The target logit is a gather of N columns: cheap, and plain autodiff handles it.
     target_columns = jnp.take(unembedding, flat_targets, axis=1).T  # [N, D]
-    target_logits = jnp.einsum(
-        "nd,nd->n", flat_hidden, target_columns, preferred_element_type=jnp.float32
+    target_logits = jnp.einsum(  # a bf16 table rounds the hidden states too, as below
+        "nd,nd->n",
+        flat_hidden.astype(unembedding.dtype),
+        target_columns,
+        preferred_element_type=jnp.float32,
     )
     target_logits = target_logits.astype(jnp.float32) / temperature
     layout = _vocab_layout(unembedding.shape[1], chunk_size)
@@ -148,10 +155,11 @@ def _logsumexp_and_entropy_fwd(hidden, unembedding, temperature, layout):
     entropy = log s - w / s (both from small numbers: no cancellation)."""
     unembedding_3d = _as_3d(unembedding, layout)
     rows = hidden.shape[0]
+    operand = hidden.astype(unembedding.dtype)  # a bf16 table multiplies in bf16, f32 sums
 
     def body(index, carry):
         running_max, normaliser, weighted = carry  # [N] each
-        logits, _ = _chunk_logits(hidden, unembedding_3d, index, temperature, layout)
+        logits, _ = _chunk_logits(operand, unembedding_3d, index, temperature, layout)
         new_max = jnp.maximum(running_max, logits.max(axis=-1))
         shift = running_max - new_max  # <= 0
         rescale = jnp.exp(shift)
@@ -178,17 +186,29 @@ def _logsumexp_and_entropy_bwd(temperature, layout, residuals, cotangents):
     hidden, unembedding, log_normaliser, entropy = residuals
     grad_lse, grad_entropy = cotangents  # [N] each
     unembedding_3d = _as_3d(unembedding, layout)
+    # A table in a lower precision than the hidden states (`with_matmul_weights`):
+    # the backward's products too take operands in its dtype, untransposed (`mixed_matmul`).
+    mixed = unembedding.dtype != hidden.dtype
+    operand = hidden.astype(unembedding.dtype)
+    operand_t = _row_major(operand.T) if mixed else None  # [D, N]
 
     def body(index, carry):
         grad_hidden, grad_unembedding_3d = carry
-        logits, columns = _chunk_logits(hidden, unembedding_3d, index, temperature, layout)
+        logits, columns = _chunk_logits(operand, unembedding_3d, index, temperature, layout)
         log_probs = logits - log_normaliser[:, None]  # [N, chunk]
         grad_logits = jnp.exp(log_probs) * (
             grad_lse[:, None] - grad_entropy[:, None] * (log_probs + entropy[:, None])
         )
         grad_logits = grad_logits / temperature  # through z = hidden @ W / temperature
-        grad_hidden = grad_hidden + jnp.dot(grad_logits, columns.astype(jnp.float32).T)
-        grad_columns = jnp.dot(hidden.astype(jnp.float32).T, grad_logits)  # [D, chunk]
+        if mixed:
+            grad_low = grad_logits.astype(unembedding.dtype)
+            grad_hidden = grad_hidden + jnp.dot(
+                grad_low, _row_major(columns.T), preferred_element_type=jnp.float32
+            )
+            grad_columns = jnp.dot(operand_t, grad_low, preferred_element_type=jnp.float32)
+        else:
+            grad_hidden = grad_hidden + jnp.dot(grad_logits, columns.astype(jnp.float32).T)
+            grad_columns = jnp.dot(hidden.astype(jnp.float32).T, grad_logits)  # [D, chunk]
         grad_unembedding_3d = jax.lax.dynamic_update_index_in_dim(
             grad_unembedding_3d, grad_columns, index, axis=2
         )
@@ -205,6 +225,15 @@ def _logsumexp_and_entropy_bwd(temperature, layout, residuals, cotangents):
 
 
 _logsumexp_and_entropy.defvjp(_logsumexp_and_entropy_fwd, _logsumexp_and_entropy_bwd)
+
+
+def _row_major(x: jax.Array) -> jax.Array:
+    """x written out in row-major order on CPU (a transpose materialised, not folded into the
+    next product, which XLA:CPU then runs in bf16 only untransposed); elsewhere unchanged.
+    `models.transformer.row_major` does the same: this module stays free of the model stack."""
+    if jax.default_backend() != "cpu":
+        return x
+    return with_layout_constraint(x, Layout(major_to_minor=tuple(range(x.ndim))))
 
 
 def _check_temperature(temperature) -> None:

@@ -241,6 +241,7 @@ def update_config_of(config: Config, *, beta_in_loss: float, batch_shards: int =
         shared_prompt_rows=shared_prompt_rows(
             config, grad_accumulation=algo.grad_accumulation, batch_shards=batch_shards
         ),
+        matmul_dtype=config.model.matmul_dtype,
     )
 
 
@@ -705,14 +706,16 @@ class Trainer:
         temperature = self.config.rollout.temperature
         # The whole batch: whole groups on every batch shard.
         rows = self.group_size if self.config.algorithm.shared_prompt_forward else 1
+        matmul_dtype = self.config.model.matmul_dtype
         program = _shared_program(
-            ("frozen_logprobs", self.mesh, self.model_config, temperature, rows),
+            ("frozen_logprobs", self.mesh, self.model_config, temperature, rows, matmul_dtype),
             lambda: jax.jit(
                 functools.partial(
                     _frozen_logprobs,
                     model_config=self.model_config,
                     temperature=temperature,
                     shared_prompt_rows=rows,
+                    matmul_dtype=matmul_dtype,
                 ),
                 out_shardings=self.row_matrix,
             ),
@@ -910,7 +913,7 @@ _group_advantages = jax.jit(
 
 
 def _frozen_logprobs(
-    params, batch: Batch, *, model_config, temperature, shared_prompt_rows
+    params, batch: Batch, *, model_config, temperature, shared_prompt_rows, matmul_dtype
 ) -> jax.Array:
     return completion_logprobs(
         params,
@@ -919,6 +922,7 @@ def _frozen_logprobs(
         temperature=temperature,
         chunk_size=4096,
         shared_prompt_rows=shared_prompt_rows,
+        matmul_dtype=matmul_dtype,
     )[0]
 
 

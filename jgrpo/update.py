@@ -25,7 +25,7 @@ from jgrpo.logprobs import chunked_token_logprobs
 from jgrpo.losses import grpo_loss
 from models.config import ModelConfig
 from models.group_forward import group_completion_hidden
-from models.transformer import forward, unembedding
+from models.transformer import forward, unembedding, with_matmul_weights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +53,7 @@ class UpdateConfig:
     temperature: float = 1.0  # must equal the sampling temperature
     logprob_chunk_size: int = 4096
     shared_prompt_rows: int = 1  # G: rows that repeat one prompt; 1 = every row in full
+    matmul_dtype: str = "float32"  # "bfloat16": bf16 products, f32 sums (completion_logprobs)
 
     def __post_init__(self):
         for name in ("num_iterations", "num_minibatches", "grad_accumulation"):
@@ -66,6 +67,10 @@ class UpdateConfig:
         if self.temperature <= 0:
             raise ValueError(
                 f"temperature must be > 0 (the sampling temperature), got {self.temperature}."
+            )
+        if self.matmul_dtype not in ("float32", "bfloat16"):
+            raise ValueError(
+                f"matmul_dtype must be 'float32' or 'bfloat16', got {self.matmul_dtype!r}."
             )
 
     @property
@@ -139,12 +144,22 @@ def completion_logprobs(
     temperature: float,
     chunk_size: int,
     shared_prompt_rows: int = 1,
+    matmul_dtype: str = "float32",
 ) -> tuple[jax.Array, jax.Array]:  # (f32[B, N], f32[B, N])
     """Log-prob and entropy of every completion token under `params` (no [B, T, V] logits).
 
     `shared_prompt_rows` = G > 1 promises that each G consecutive rows repeat one prompt;
     the prompt then runs once per group (`models.group_forward`), with equal results.
+
+    `matmul_dtype="bfloat16"` is mixed precision: the weight matrices are cast to bf16
+    inside the program (`with_matmul_weights`; the parameters, and so their gradients and
+    the optimizer state, stay f32), and every matrix product of the layers and the
+    unembedding, forward and backward, takes bf16 operands and sums in f32
+    (`models.transformer.mixed_matmul`). Activations, norms, attention and the softmax
+    stay f32.
     """
+    if matmul_dtype != "float32":
+        params = with_matmul_weights(params, jnp.dtype(matmul_dtype))
     completion_length = batch.completion_mask.shape[1]
     if shared_prompt_rows > 1:
         predicting = group_completion_hidden(
@@ -223,6 +238,7 @@ def train_step(
         temperature=cfg.temperature,
         chunk_size=cfg.logprob_chunk_size,
         shared_prompt_rows=cfg.shared_prompt_rows,
+        matmul_dtype=cfg.matmul_dtype,
     )
 
     def frozen_logprobs(params):

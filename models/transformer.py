@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental.layout import Layout, with_layout_constraint
 
 from models.config import ModelConfig
 
@@ -333,8 +334,11 @@ def over_layers(layer: Callable, carry, stacked_params: dict, num_layers: int):
 
 
 def unembedding(params: dict) -> jax.Array:  # [E, V]
-    """The output projection: lm_head, or the transposed embedding table when tied."""
-    return params["lm_head"] if "lm_head" in params else params["embed"].T
+    """The output projection: lm_head, or the transposed embedding table when tied (its
+    lower-precision copy `tied_unembedding` when `with_matmul_weights` made one)."""
+    if "lm_head" in params:
+        return params["lm_head"]
+    return params.get("tied_unembedding", params["embed"]).T
 
 
 def with_matmul_weights(params: dict, dtype) -> dict:
@@ -343,8 +347,10 @@ def with_matmul_weights(params: dict, dtype) -> dict:
     `tied_unembedding`, since the lookup keeps the original's dtype); embeddings, norms and
     biases keep theirs.
 
-    `project` and `logits_from_hidden` multiply f32 activations by such weights in `dtype`,
-    accumulating in f32: at bf16 that halves the bytes a decode step reads.
+    `project`, `logits_from_hidden` and `jgrpo.chunked_token_logprobs` multiply f32
+    activations by such weights in `dtype`, accumulating in f32: at bf16 that halves the
+    bytes a decode step reads, and under `jax.grad` (the cast differentiates back to the
+    f32 parameters) it is mixed-precision training (`jgrpo.UpdateConfig.matmul_dtype`).
     """
     out = dict(params)
     out["layers"] = {
@@ -429,7 +435,7 @@ def project(x: jax.Array, kernel: jax.Array, contract: int = 1) -> jax.Array:
     products without transposed copies of the [B*T, M] activations (in a profile of the
     SmolLM2-135M benchmark update, the einsum form spent ~10 s in such copies; this one ~1.5).
     A kernel in another dtype than x (bf16 weights for f32 activations, `with_matmul_weights`)
-    multiplies in the kernel's dtype and accumulates in f32.
+    multiplies in the kernel's dtype and accumulates in f32 (`mixed_matmul`).
     """
     inner, outer = kernel.shape[:contract], kernel.shape[contract:]
     lead = x.shape[: x.ndim - contract]
@@ -437,10 +443,54 @@ def project(x: jax.Array, kernel: jax.Array, contract: int = 1) -> jax.Array:
     columns = kernel.reshape(math.prod(inner), -1)  # [I, O]
     if kernel.dtype == x.dtype:
         flat = rows @ columns
-    else:  # XLA:CPU's fast bf16 products are those that accumulate in f32
-        flat = jnp.dot(rows.astype(kernel.dtype), columns, preferred_element_type=jnp.float32)
-        flat = flat.astype(x.dtype)
+    else:
+        flat = mixed_matmul(rows, columns).astype(x.dtype)
     return flat.reshape(*lead, *outer)
+
+
+@jax.custom_vjp
+def mixed_matmul(a: jax.Array, b: jax.Array) -> jax.Array:  # [N, I] x [I, O] -> f32[N, O]
+    """a @ b with both operands rounded to the lower-precision dtype of the two (bf16), every
+    product summed in f32; the backward pass likewise (the cotangent rounded to it too).
+
+    Used when a kernel's dtype differs from its activations' (`with_matmul_weights`). The
+    custom VJP keeps the backward products in that dtype: differentiating the forward's dot
+    would multiply f32 cotangents by bf16 operands, which runs in f32. On CPU it also
+    materialises the transposed operands in row-major order (`row_major`): XLA:CPU's fast
+    bf16 products (YNNPACK; AMX where the CPU has it) take only untransposed operands and
+    otherwise fall back to f32, about 3-6x slower on an AMX host.
+    """
+    dtype = _lower_precision(a, b)
+    return jnp.dot(a.astype(dtype), b.astype(dtype), preferred_element_type=jnp.float32)
+
+
+def _mixed_matmul_fwd(a, b):
+    return mixed_matmul(a, b), (a, b)
+
+
+def _mixed_matmul_bwd(residuals, grad):  # grad f32[N, O]
+    a, b = residuals
+    dtype = _lower_precision(a, b)
+    a_low, b_low, grad_low = a.astype(dtype), b.astype(dtype), grad.astype(dtype)
+    grad_a = jnp.dot(grad_low, row_major(b_low.T), preferred_element_type=jnp.float32)
+    grad_b = jnp.dot(row_major(a_low.T), grad_low, preferred_element_type=jnp.float32)
+    return grad_a.astype(a.dtype), grad_b.astype(b.dtype)
+
+
+mixed_matmul.defvjp(_mixed_matmul_fwd, _mixed_matmul_bwd)
+
+
+def _lower_precision(*arrays: jax.Array):
+    """The dtype with the fewest bits among the arrays'."""
+    return min((x.dtype for x in arrays), key=lambda dtype: jnp.finfo(dtype).bits)
+
+
+def row_major(x: jax.Array) -> jax.Array:
+    """x stored in row-major order (on CPU), so that XLA multiplies a transpose written in
+    memory rather than folding it into the product's dimensions. Elsewhere x unchanged."""
+    if jax.default_backend() != "cpu":
+        return x
+    return with_layout_constraint(x, Layout(major_to_minor=tuple(range(x.ndim))))
 
 
 def attention_inputs(config, params, x, cos, sin):

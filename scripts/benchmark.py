@@ -33,12 +33,13 @@ SCRIPTS = Path(__file__).resolve().parent
 
 
 def matmul_peak_flops(size: int | None = None, repeats: int = 5, dtype=jnp.float32) -> float:
-    """FLOP/s of one jitted [size, size] @ [size, size] in `dtype` (best of `repeats`); the
-    default size is 2048 on CPU and 8192 on accelerators (smaller ones do not fill a GPU)."""
+    """FLOP/s of one jitted [size, size] @ [size, size] in `dtype`, summed in f32 (as the
+    model's products are), best of `repeats`; the default size is 2048 on CPU and 8192 on
+    accelerators (smaller ones do not fill a GPU)."""
     if size is None:
         size = 2048 if jax.default_backend() == "cpu" else 8192
     a = jax.random.normal(jax.random.key(0), (size, size), dtype)
-    matmul = jax.jit(lambda x: x @ x)
+    matmul = jax.jit(lambda x: jnp.dot(x, x, preferred_element_type=jnp.float32))
     matmul(a).block_until_ready()
     best = min(_timed(lambda: matmul(a).block_until_ready()) for _ in range(repeats))
     return 2 * size**3 / best

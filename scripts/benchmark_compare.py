@@ -39,7 +39,9 @@ import compare_workload as workload  # noqa: E402
 STAGES = ("step_s", "sampling_s", "reference_s", "update_s")
 
 
-def jgrpo_config(checkpoint: Path, steps: int, sampling_weights: str = "float32"):
+def jgrpo_config(
+    checkpoint: Path, steps: int, sampling_weights: str = "float32", matmul: str = "float32"
+):
     from jgrpo.config import load_config
 
     return load_config(
@@ -60,11 +62,14 @@ def jgrpo_config(checkpoint: Path, steps: int, sampling_weights: str = "float32"
             "task.reward_workers=0",  # a cheap verifier: in-process
             "mesh.devices=1",
             f"rollout.weights_dtype={sampling_weights}",
+            f"model.matmul_dtype={matmul}",
         ],
     )
 
 
-def run_jgrpo(checkpoint: Path, steps: int, sampling_weights: str = "float32") -> str:
+def run_jgrpo(
+    checkpoint: Path, steps: int, sampling_weights: str = "float32", matmul: str = "float32"
+) -> str:
     """`steps` + 1 trainer steps of the workload (the first compiles): the RESULT line."""
     import jax
     import jax.numpy as jnp
@@ -83,7 +88,7 @@ def run_jgrpo(checkpoint: Path, steps: int, sampling_weights: str = "float32") -
         reward_weights={"distinct_words": 1.0},
         correctness="distinct_words",
     )
-    trainer = Trainer(jgrpo_config(checkpoint, steps + 1, sampling_weights), task)
+    trainer = Trainer(jgrpo_config(checkpoint, steps + 1, sampling_weights, matmul), task)
     # Exactly NEW_TOKENS per completion: no stop tokens (benchmark only).
     trainer.sampling = dataclasses.replace(trainer.sampling, stop_token_ids=())
     started = time.perf_counter()
@@ -116,7 +121,9 @@ def run_jgrpo(checkpoint: Path, steps: int, sampling_weights: str = "float32") -
     shared = trainer.update_config.shared_prompt_rows
     flops = forward_flops(trainer.model_config, rows, length, workload.NEW_TOKENS, shared)
     label = f"jgrpo (jax {jax.__version__})"
-    if sampling_weights != "float32":
+    if matmul != "float32":
+        label = f"jgrpo, {matmul} matmuls (sampling and update)"
+    elif sampling_weights != "float32":
         label = f"jgrpo, {sampling_weights} sampling weights"
     return workload.result_line(
         label,
@@ -135,7 +142,8 @@ def run_jgrpo(checkpoint: Path, steps: int, sampling_weights: str = "float32") -
         plain_forward_s=forward_s,
         update_flops=3 * flops,  # forward + backward
         reference_flops=flops,
-        matmul_peak_flops=matmul_peak_flops(),
+        matmul_peak_flops=matmul_peak_flops(dtype=jnp.dtype(matmul)),
+        matmul_dtype=matmul,
     )
 
 
@@ -153,10 +161,10 @@ def _median_time(run, repeats: int) -> float:
 
 def run_library(name: str, python: str, checkpoint: Path, steps: int) -> dict | None:
     """Runs one library's step script in a fresh process and parses its RESULT line."""
-    if name.startswith("jgrpo"):  # "jgrpo" or "jgrpo:bfloat16" (its sampling weights)
-        _, _, weights = name.partition(":")
-        command = [python, __file__, "--_library", "jgrpo", "--sampling-weights"]
-        command.append(weights or "float32")
+    if name.startswith("jgrpo"):  # "jgrpo[:sampling weights dtype[:update matmul dtype]]"
+        weights, matmul = (name.split(":")[1:] + ["float32", "float32"])[:2]
+        command = [python, __file__, "--_library", "jgrpo", "--sampling-weights", weights]
+        command += ["--matmul-dtype", matmul]
     else:
         command = [python, str(SCRIPTS / "peers" / f"{name}_step.py")]
     command += ["--checkpoint", str(checkpoint), "--steps", str(steps)]
@@ -211,18 +219,30 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also run jgrpo with rollout.weights_dtype=bfloat16 (a row of its own)",
     )
+    parser.add_argument(
+        "--bf16-matmuls",
+        action="store_true",
+        help="also run jgrpo with bf16 products in sampling and update (rollout.weights_dtype "
+        "and model.matmul_dtype=bfloat16: mixed precision, f32 parameters; a row of its own)",
+    )
     parser.add_argument("--sampling-weights", default="float32", help=argparse.SUPPRESS)
+    parser.add_argument("--matmul-dtype", default="float32", help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
     parser.add_argument("--_library", help=argparse.SUPPRESS)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if args._library == "jgrpo":  # the child process
-        print(run_jgrpo(Path(args.checkpoint), args.steps, args.sampling_weights), flush=True)
+        print(
+            run_jgrpo(Path(args.checkpoint), args.steps, args.sampling_weights, args.matmul_dtype),
+            flush=True,
+        )
         return 0
 
     checkpoint = workload.build_checkpoint(Path(args.workdir) / args.model, args.model)
     libraries = [("jgrpo", sys.executable)]
     if args.bf16_sampling:
         libraries.append(("jgrpo:bfloat16", sys.executable))
+    if args.bf16_matmuls:
+        libraries.append(("jgrpo:bfloat16:bfloat16", sys.executable))
     libraries += [
         (name, python)
         for name, python in (("tunix", args.tunix_python), ("trl", args.trl_python))
@@ -232,28 +252,36 @@ def main(argv: list[str] | None = None) -> int:
     if results[0] is None:
         return 1
     results = [r for r in results if r is not None]
-    ours = results[0]
     print(
         f"GRPO step, {args.model} architecture (random weights), {workload.PROMPTS} prompts x "
         f"G={workload.GENERATIONS}, {workload.NEW_TOKENS} new tokens, beta {workload.BETA}, "
-        f"f32; medians of {args.steps} steps after the first\n"
+        f"f32 parameters; medians of {args.steps} steps after the first\n"
     )
     print(table(results))
     tunables = child_environment().get("GLIBC_TUNABLES")
     if tunables:
         print(f"\nEvery library ran with GLIBC_TUNABLES={tunables}, as jgrpo's CLI runs itself.")
-    peak = ours["matmul_peak_flops"]
-    update = statistics.median(ours["update_s"])  # the reference pass runs inside it
-    reference = ours["reference_s"][0]
-    flops = ours["update_flops"] + ours["reference_flops"]
-    print(
-        f"\njgrpo: {ours['completion_tokens'][0]} completion tokens per step; reward "
-        f"{statistics.median(ours['reward_s']):.3f} s; reference pass {reference:.3f} s next to "
-        f"a plain forward (logits) {ours['plain_forward_s']:.3f} s. The update program "
-        f"(reference pass, forward, backward, AdamW): {flops / 1e9:.1f} GFLOP counted from the "
-        f"shapes in {update:.3f} s = {flops / update / 1e9:.1f} GFLOP/s, "
-        f"{flops / update / peak:.0%} of the f32 matmul peak measured in the same process "
-        f"({peak / 1e9:.1f} GFLOP/s)."
+    for result in results:
+        if "update_flops" in result:
+            print(f"\n{result['library']}: " + update_summary(result))
+    return 0
+
+
+def update_summary(result: dict) -> str:
+    """jgrpo's reference pass and the update's rate against the matmul peak measured in its
+    process, in its matmul dtype (products summed in f32)."""
+    peak = result["matmul_peak_flops"]
+    update = statistics.median(result["update_s"])  # the reference pass runs inside it
+    flops = result["update_flops"] + result["reference_flops"]
+    dtype = {"float32": "f32", "bfloat16": "bf16"}[result.get("matmul_dtype", "float32")]
+    return (
+        f"{result['completion_tokens'][0]} completion tokens per step; reward "
+        f"{statistics.median(result['reward_s']):.3f} s; reference pass "
+        f"{result['reference_s'][0]:.3f} s next to a plain forward (logits) "
+        f"{result['plain_forward_s']:.3f} s. The update program (reference pass, forward, "
+        f"backward, AdamW): {flops / 1e9:.1f} GFLOP counted from the shapes in {update:.3f} s "
+        f"= {flops / update / 1e9:.1f} GFLOP/s, {flops / update / peak:.0%} of the {dtype} "
+        f"matmul peak measured in the same process ({peak / 1e9:.1f} GFLOP/s)."
     )
     return 0
 

@@ -63,6 +63,7 @@ def test_round_trip_through_yaml(tmp_path):
         (["optim.lr"], r"override 'optim\.lr' must look like section\.key=value"),
         (["model.dtype=float16"], r"model\.dtype must be 'float32' or 'bfloat16'"),
         (["rollout.weights_dtype=fp8"], r"rollout\.weights_dtype must be 'float32' or 'bfloat16'"),
+        (["model.matmul_dtype=fp16"], r"model\.matmul_dtype must be 'float32' or 'bfloat16'"),
     ],
 )
 def test_bad_overrides_name_the_field(overrides, message):

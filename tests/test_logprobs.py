@@ -108,6 +108,54 @@ def test_chunked_keeps_parameter_dtypes_for_bf16():
     np.testing.assert_allclose(logprobs, jgrpo.token_logprobs(logits, targets)[0], atol=1e-5)
 
 
+def test_chunked_with_a_bf16_table_for_f32_hidden_states():
+    """Mixed precision (`models.transformer.with_matmul_weights`): the hidden states are
+    rounded to the table's bf16 and the logits summed in f32, forward and backward. Values
+    equal scoring the rounded product; the gradients differ from the rounded problem's exact
+    ones only by the bf16 rounding of the logits' cotangent (bound below)."""
+    hidden, unembedding, targets = hidden_and_unembedding(2, 5, 16, 96, seed=4)
+    table = unembedding.astype(jnp.bfloat16)  # [D, V]
+    rounded_hidden = hidden.astype(jnp.bfloat16).astype(jnp.float32)
+    rounded_table = table.astype(jnp.float32)
+
+    def objective(fn):
+        return lambda h, w: sum(x.sum() for x in fn(h, w))  # log-probs + entropies
+
+    def chunked(h, w):
+        return jgrpo.chunked_token_logprobs(h, w, targets, temperature=0.7, chunk_size=16)
+
+    def exact(h, w):  # the rounded operands, all in f32
+        return jgrpo.token_logprobs(h @ w, targets, temperature=0.7)
+
+    got = jax.jit(chunked)(hidden, table)
+    expected = jax.jit(exact)(rounded_hidden, rounded_table)
+    for g, e in zip(got, expected, strict=True):
+        assert g.dtype == jnp.float32
+        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-5)
+    grad_hidden, grad_table = jax.jit(jax.grad(objective(chunked), argnums=(0, 1)))(hidden, table)
+    assert (grad_hidden.dtype, grad_table.dtype) == (jnp.float32, jnp.bfloat16)
+    exact_hidden, exact_table = jax.grad(objective(exact), argnums=(0, 1))(
+        rounded_hidden, rounded_table
+    )
+    # A cotangent rounded to bf16 is off by at most 2^-8 of itself; summed over a row of V
+    # logits times the table (or the hidden states), that bounds each gradient's error.
+    cotangent = jax.vmap(jax.grad(lambda z, t: sum(x.sum() for x in exact_row(z, t))))(
+        (rounded_hidden @ rounded_table).reshape(-1, 96), targets.reshape(-1)
+    )  # [N, V]
+    bound_hidden = 2**-8 * np.abs(cotangent) @ np.abs(rounded_table).T  # [N, D]
+    bound_table = 2**-8 * np.abs(rounded_hidden.reshape(-1, 16)).T @ np.abs(cotangent)
+    assert np.all(
+        np.abs(grad_hidden.reshape(-1, 16) - exact_hidden.reshape(-1, 16)) <= bound_hidden + 1e-5
+    )
+    table_error = np.abs(grad_table.astype(jnp.float32) - exact_table)
+    assert np.all(table_error <= bound_table + 2**-8 * np.abs(exact_table) + 1e-5)
+    assert np.abs(grad_hidden - exact_hidden).max() > 0  # the cotangent was rounded
+
+
+def exact_row(logits, target):  # one row's (log-prob, entropy) at temperature 0.7
+    return jgrpo.token_logprobs(logits[None], target[None], temperature=0.7)
+
+
 def test_chunked_memory_is_under_a_quarter_of_full_logits():
     """B=4, T=512, V=65536: f32 logits would take 512 MiB."""
     batch, length, dim, vocab = 4, 512, 64, 65536

@@ -200,6 +200,49 @@ def test_sharded_loss_grads_step_and_rollout_equal_one_device(shape):
     )
 
 
+@pytest.mark.parametrize("shape", [(1, 8, 1), (2, 2, 2), (1, 4, 2)], ids=str)
+def test_bf16_matmul_update_on_a_mesh_equals_one_device(shape):
+    """Mixed precision (matmul_dtype="bfloat16") partitions like f32: the rounded operands
+    are the same on any mesh, so only the f32 sums' order differs."""
+    expected = reference()
+    update = UpdateConfig(beta=0.0, matmul_dtype="bfloat16")
+
+    def stepped(params, batch):
+        state, metrics = train_step(
+            init_state(jax.tree.map(jnp.copy, params), SGD),
+            batch,
+            model_config=CONFIG,
+            update_config=update,
+            optimizer=SGD,
+        )
+        return state.params, metrics["loss"]
+
+    one_device = stepped(expected["params"], jax.tree.map(jnp.asarray, expected["batch"]))
+    mesh = make_mesh(shape)
+    param_shardings = tree_shardings(
+        expected["params"], models.transformer.param_axes(CONFIG), mesh
+    )
+    params = jax.device_put(expected["params"], param_shardings)
+    batch = jax.device_put(expected["batch"], batch_shardings(expected["batch"], mesh))
+    with rules_context(mesh):
+        sharded = stepped(params, batch)
+    np.testing.assert_allclose(sharded[1], one_device[1], **TOLERANCE)  # the loss
+    # Another order of f32 sums can flip the bf16 rounding of a cotangent or a gradient:
+    # each tensor's update stays within one bf16 step (2^-8) of the one-device update's
+    # norm (measured <= 0.0013), closer than the f32 update is (about 0.005).
+    for name in ("embed", "lm_head"):
+        check_update_close(sharded[0][name], one_device[0][name], expected["params"][name])
+    for name, initial in expected["params"]["layers"].items():
+        check_update_close(sharded[0]["layers"][name], one_device[0]["layers"][name], initial)
+    f32_update = expected["stepped"]["layers"]["up_kernel"]
+    assert np.abs(one_device[0]["layers"]["up_kernel"] - f32_update).max() > 1e-6  # bf16 ran
+
+
+def check_update_close(got, expected, initial):
+    update_norm = np.linalg.norm(np.asarray(expected) - initial)
+    assert np.linalg.norm(np.asarray(got) - np.asarray(expected)) <= 2**-8 * update_norm
+
+
 def _assert_placed(array, sharding):
     assert array.sharding.is_equivalent_to(sharding, array.ndim), (array.sharding, sharding)
 

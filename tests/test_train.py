@@ -412,6 +412,43 @@ def test_mask_truncated_and_kl_in_reward(tmp_path):
     assert "reward/kl_penalty/mean" in read_metrics(tmp_path)[-1] and result.steps_done == 2
 
 
+def test_bf16_matmuls_reach_the_update_and_the_reference_logprobs(tmp_path):
+    """model.matmul_dtype=bfloat16 sets the update's matmul dtype and the KL-in-reward
+    reference log-probs' (both sides of the KL computed alike: exactly 0 at the start)."""
+    from jgrpo.update import completion_logprobs
+
+    config = tiny_config(
+        tmp_path,
+        "model.matmul_dtype=bfloat16",
+        "algorithm.beta=0.1",
+        "algorithm.kl_in_reward=true",
+        "train.steps=1",
+        "train.eval_every=0",
+        "train.export=false",
+    )
+    trainer = train_module.Trainer(config)
+    assert trainer.update_config.matmul_dtype == "bfloat16"
+    params = trainer.model.params()
+    groups, _, _ = trainer.collect(params, params, jax.random.key(1), 0)
+    np.testing.assert_allclose(groups.per_function["kl_penalty"], 0.0, atol=1e-6)
+    batch = trainer.to_batch(groups, np.zeros(len(groups.rewards), np.float32))
+    scored = {
+        dtype: completion_logprobs(
+            params,
+            batch,
+            model_config=trainer.model_config,
+            temperature=1.0,
+            chunk_size=4096,
+            matmul_dtype=dtype,
+        )[0]
+        for dtype in ("float32", "bfloat16")
+    }
+    frozen = np.asarray(trainer.frozen_logprobs(params, batch))
+    np.testing.assert_allclose(frozen, scored["bfloat16"], rtol=1e-6, atol=1e-6)
+    assert np.abs(frozen - np.asarray(scored["float32"])).max() > 1e-6
+    assert train_module.train(config).steps_done == 1
+
+
 def test_a_prompt_longer_than_the_limit_is_an_error_not_a_truncation(tmp_path):
     from jgrpo.tasks.datasets import DatasetError
 

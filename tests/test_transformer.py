@@ -1,5 +1,7 @@
 """The NNX decoder: logit parity with transformers, KV-cache decoding, dtypes, remat."""
 
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -215,6 +217,45 @@ def test_bf16_weight_matrices_multiply_rounded_inputs_and_sum_in_f32():
     logits = logits_from_hidden(low, x)
     expected = rounded(x) @ rounded(params["embed"]).T
     np.testing.assert_allclose(logits, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_mixed_matmul_rounds_operands_and_cotangent_and_sums_in_f32():
+    """Forward and backward are bf16 products of the rounded operands (the cotangent rounded
+    too), summed in f32; the f32 operand's gradient stays f32."""
+    from models.transformer import mixed_matmul
+
+    def rounded(a):  # bf16 values, exactly, in f64
+        return np.asarray(jnp.asarray(a).astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+
+    keys = jax.random.split(jax.random.key(0), 3)
+    a = jax.random.normal(keys[0], (24, 40))  # f32 activations [N, I]
+    b = jax.random.normal(keys[1], (40, 56)).astype(jnp.bfloat16)  # bf16 kernel [I, O]
+    cotangent = jax.random.normal(keys[2], (24, 56))
+    out, pullback = jax.vjp(mixed_matmul, a, b)
+    grad_a, grad_b = jax.jit(pullback)(cotangent)
+    assert (out.dtype, grad_a.dtype, grad_b.dtype) == (jnp.float32, jnp.float32, jnp.bfloat16)
+    np.testing.assert_allclose(out, rounded(a) @ rounded(b), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(grad_a, rounded(cotangent) @ rounded(b).T, rtol=1e-5, atol=1e-5)
+    # grad_b is summed in f32, then rounded to b's dtype: within half a bf16 step of exact.
+    exact_b = rounded(a).T @ rounded(cotangent)
+    np.testing.assert_allclose(grad_b.astype(jnp.float32), exact_b, rtol=2**-8, atol=1e-6)
+
+
+def test_mixed_matmul_backward_multiplies_only_bf16_operands():
+    """On CPU the backward's transposed operands are written out in row-major order, so no
+    product of the compiled program falls back to f32 operands (XLA:CPU's fast bf16
+    products take only untransposed operands)."""
+    from models.transformer import mixed_matmul
+
+    def loss(a, b):
+        return (mixed_matmul(a, b) ** 2).sum()
+
+    a, b = jnp.ones((64, 48)), jnp.ones((48, 80), jnp.bfloat16)
+    hlo = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(a, b).compile().as_text()
+    shapes = dict(re.findall(r"%([\w.\-]+) = (\w+)\[", hlo))
+    dots = re.findall(r"= \w+\[[^\]]*\]\S* dot\(%([\w.\-]+), %([\w.\-]+)\)", hlo)
+    assert len(dots) == 3, hlo  # forward, and the gradients of a and b
+    assert {shapes[name] for dot in dots for name in dot} == {"bf16"}
 
 
 def test_every_parameter_has_logical_axes():
