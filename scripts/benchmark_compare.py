@@ -165,8 +165,10 @@ def run_library(name: str, python: str, checkpoint: Path, steps: int) -> dict | 
         weights, matmul = (name.split(":")[1:] + ["float32", "float32"])[:2]
         command = [python, __file__, "--_library", "jgrpo", "--sampling-weights", weights]
         command += ["--matmul-dtype", matmul]
-    else:
-        command = [python, str(SCRIPTS / "peers" / f"{name}_step.py")]
+    else:  # "trl" or "trl:bf16" (its mixed precision)
+        peer, _, mode = name.partition(":")
+        command = [python, str(SCRIPTS / "peers" / f"{peer}_step.py")]
+        command += ["--bf16"] if mode == "bf16" else []
     command += ["--checkpoint", str(checkpoint), "--steps", str(steps)]
     print(f"running {name}: {' '.join(command)}", file=sys.stderr, flush=True)
     done = subprocess.run(command, capture_output=True, text=True, env=child_environment())
@@ -223,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
         "--bf16-matmuls",
         action="store_true",
         help="also run jgrpo with bf16 products in sampling and update (rollout.weights_dtype "
-        "and model.matmul_dtype=bfloat16: mixed precision, f32 parameters; a row of its own)",
+        "and model.matmul_dtype=bfloat16: mixed precision, f32 parameters), and TRL with its "
+        "bf16 mixed precision when --trl-python is given (rows of their own)",
     )
     parser.add_argument("--sampling-weights", default="float32", help=argparse.SUPPRESS)
     parser.add_argument("--matmul-dtype", default="float32", help=argparse.SUPPRESS)
@@ -248,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
         for name, python in (("tunix", args.tunix_python), ("trl", args.trl_python))
         if python
     ]
+    if args.bf16_matmuls and args.trl_python:
+        libraries.append(("trl:bf16", args.trl_python))
     results = [run_library(name, python, checkpoint, args.steps) for name, python in libraries]
     if results[0] is None:
         return 1

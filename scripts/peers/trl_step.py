@@ -8,6 +8,8 @@ reference model from the same path because beta > 0). One optimizer step = 4 pro
 generations: per_device_train_batch_size=32, gradient_accumulation_steps=1, num_iterations=1.
 `min_new_tokens=64` (generation_kwargs) blocks EOS so every completion has 64 tokens.
 Gradient checkpointing (TRL's default) is turned off: the workload does not recompute layers.
+`--bf16` turns on TRL's mixed precision (`bf16=True`: torch autocast to bf16 on CPU, f32
+parameters), the counterpart of jgrpo's bf16 matmuls.
 Optimizer: TRL's defaults, fused torch AdamW, no weight decay, grad-norm clip 1.0.
 
 Stages, wall time per optimizer step (torch on CPU is synchronous, so no device sync needed):
@@ -58,6 +60,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", required=True)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--bf16", action="store_true", help="TRL's bf16 mixed precision")
     args = parser.parse_args()
     torch.set_num_threads(2)
     torch.manual_seed(workload.SEED)
@@ -77,7 +80,7 @@ def main() -> None:
         num_iterations=1,
         max_steps=steps,
         use_cpu=True,
-        bf16=False,
+        bf16=args.bf16,
         fp16=False,
         model_init_kwargs={"dtype": torch.float32},
         gradient_checkpointing=False,
@@ -118,7 +121,8 @@ def main() -> None:
     trainer._prepare_inputs = workload.timed(trainer._prepare_inputs, on_prepared)
     trainer.train()
 
-    print(workload.result_line(f"TRL {trl.__version__}", timer.rows, tokens))
+    label = f"TRL {trl.__version__}" + (", bf16 mixed precision" if args.bf16 else "")
+    print(workload.result_line(label, timer.rows, tokens))
 
 
 if __name__ == "__main__":
