@@ -472,8 +472,9 @@ def _mixed_matmul_bwd(residuals, grad):  # grad f32[N, O]
     a, b = residuals
     dtype = _lower_precision(a, b)
     a_low, b_low, grad_low = a.astype(dtype), b.astype(dtype), grad.astype(dtype)
-    grad_a = jnp.dot(grad_low, row_major(b_low.T), preferred_element_type=jnp.float32)
-    grad_b = jnp.dot(row_major(a_low.T), grad_low, preferred_element_type=jnp.float32)
+    grad_a = jnp.dot(grad_low, row_major(b_low.T), preferred_element_type=jnp.float32)  # [N, I]
+    # a^T g, never (g^T a)^T: XLA folds a transposed result back into the product's operands.
+    grad_b = jnp.dot(row_major(a_low.T), grad_low, preferred_element_type=jnp.float32)  # [I, O]
     return grad_a.astype(a.dtype), grad_b.astype(b.dtype)
 
 
