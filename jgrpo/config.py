@@ -45,7 +45,7 @@ class ModelSection:
     remat: bool = option(False, "recompute each layer in the backward pass (less memory)")
     matmul_dtype: str = option(
         "float32",
-        "operands of the update's matrix products: float32, or bfloat16 (mixed precision: "
+        "operands of the update's weight-matrix products: float32, or bfloat16 (mixed precision: "
         "bf16 products summed in f32; parameters, optimizer state and activations stay f32)",
     )
 
