@@ -160,15 +160,22 @@ def batch_shardings(batch, mesh):
     )
 
 
-@pytest.mark.parametrize("shape", MESHES, ids=lambda s: "x".join(map(str, s)))
-def test_sharded_loss_grads_step_and_rollout_equal_one_device(shape):
-    expected = reference()
-    mesh = make_mesh(shape)
+def placed(expected, mesh):
+    """The reference parameters and batch on the mesh as the rules place them, and the
+    parameters' shardings."""
     param_shardings = tree_shardings(
         expected["params"], models.transformer.param_axes(CONFIG), mesh
     )
     params = jax.device_put(expected["params"], param_shardings)
     batch = jax.device_put(expected["batch"], batch_shardings(expected["batch"], mesh))
+    return params, batch, param_shardings
+
+
+@pytest.mark.parametrize("shape", MESHES, ids=lambda s: "x".join(map(str, s)))
+def test_sharded_loss_grads_step_and_rollout_equal_one_device(shape):
+    expected = reference()
+    mesh = make_mesh(shape)
+    params, batch, param_shardings = placed(expected, mesh)
     prompt_sharding = tree_shardings(expected["prompts"], (("batch", None),) * 2, mesh)
     prompts = jax.device_put(expected["prompts"], prompt_sharding)
 
@@ -219,11 +226,7 @@ def test_bf16_matmul_update_on_a_mesh_equals_one_device(shape):
 
     one_device = stepped(expected["params"], jax.tree.map(jnp.asarray, expected["batch"]))
     mesh = make_mesh(shape)
-    param_shardings = tree_shardings(
-        expected["params"], models.transformer.param_axes(CONFIG), mesh
-    )
-    params = jax.device_put(expected["params"], param_shardings)
-    batch = jax.device_put(expected["batch"], batch_shardings(expected["batch"], mesh))
+    params, batch, _ = placed(expected, mesh)
     with rules_context(mesh):
         sharded = stepped(params, batch)
     np.testing.assert_allclose(sharded[1], one_device[1], **TOLERANCE)  # the loss
