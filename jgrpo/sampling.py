@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from models.config import ModelConfig
-from models.group_decode import decode_step, prefill, unstack_layers
+from models.group_decode import decode_layers, decode_step, prefill
 from models.transformer import logits_from_hidden, with_matmul_weights
 
 
@@ -195,7 +195,7 @@ def rollout(
     )
     next_logits = jnp.repeat(logits_from_hidden(params, hidden), num_generations, axis=0)
     prompt_lengths = jnp.repeat(prompt_mask.astype(jnp.int32).sum(-1), num_generations)  # [P*G]
-    layers = unstack_layers(params, model_config.num_layers)
+    layers = decode_layers(params, model_config)
 
     # All the randomness up front: the loop body then holds no random-bit generator.
     uniforms = jax.random.uniform(key, (steps, rows))  # [N, P*G]

@@ -8,7 +8,9 @@ reads each prompt's cache once for its whole group.
 
 The decode step unrolls the layers over one cache buffer per layer, so each layer writes its
 slot in place. (Scanning the layers over a stacked [L, ...] cache in the scan carry made XLA on
-CPU copy the whole cache for each layer: 5x slower per step at 125M parameters.)
+CPU copy the whole cache for each layer: 5x slower per step at 125M parameters.) Its residual
+stream runs feature-major, [E, B], with the weights transposed once per rollout
+(`decode_layers`): the decode's thin products are fastest that way on CPU.
 
 Rows are prompt-major (row p * G + g answers prompt p). Dimension letters as in
 `models.transformer`, plus P prompts, Lp prompt slots, N completion slots.
@@ -24,13 +26,13 @@ import jax.numpy as jnp
 from models.config import ModelConfig
 from models.transformer import (
     _MASKED,
-    attention_inputs,
+    apply_rope,
     constrain,
     embed_tokens,
-    finish_layer,
     forward,
     rms_norm,
     rope_tables,
+    row_major,
 )
 
 _CACHE_AXES = ("batch", "kv_heads", "length", "head_dim")
@@ -45,9 +47,42 @@ class GroupCache(NamedTuple):
     completion_v: tuple[jax.Array, ...]  # L x [P*G, K, N, D]
 
 
-def unstack_layers(params: dict, num_layers: int) -> list[dict]:
-    """The stacked layer parameters [L, ...] as one dict per layer (for an unrolled step)."""
-    return [jax.tree.map(lambda a, i=i: a[i], params["layers"]) for i in range(num_layers)]
+def decode_layers(params: dict, config: ModelConfig) -> list[dict]:
+    """Each layer's parameters as `decode_step` reads them: weight matrices as [out, in]
+    (row-major on CPU, `row_major`), q/k/v stacked into one and gate/up into another, norm
+    scales and biases as [out, 1] columns.
+
+    The decode step multiplies W^T [out, in] by activations stored feature-major, x^T [in, B]:
+    its thin products (B = P * G rows) then read the weights as the left operand, which
+    XLA:CPU multiplies without first repacking them (the right operand is repacked on every
+    call; for a [576, 1536] weight that took longer than the product itself). Stacked weights
+    make one product whose row blocks are q, k, v (or gate, up). Made once per rollout,
+    outside the decode loop: on CPU a transposed copy of the weights, elsewhere a transpose
+    that XLA folds into the products.
+    """
+
+    def rows_of(*kernels: jax.Array) -> jax.Array:  # [in, *out] each -> [sum(out), in]
+        columns = [kernel.reshape(kernel.shape[0], -1) for kernel in kernels]
+        return row_major(jnp.concatenate(columns, axis=1).T)
+
+    layers = []
+    for i in range(config.num_layers):
+        p = {name: value[i] for name, value in params["layers"].items()}
+        layer = {
+            "attn_norm": p["attn_norm"][:, None],  # [E, 1]
+            "qkv": rows_of(p["q_kernel"], p["k_kernel"], p["v_kernel"]),  # [(H + 2K) * D, E]
+            "o": rows_of(p["o_kernel"].reshape(-1, config.hidden_size)),  # [E, H*D]
+            "mlp_norm": p["mlp_norm"][:, None],
+            "gate_up": rows_of(p["gate_kernel"], p["up_kernel"]),  # [2M, E]
+            "down": rows_of(p["down_kernel"]),  # [E, M]
+        }
+        if config.qkv_bias:
+            biases = [p[name].reshape(-1) for name in ("q_bias", "k_bias", "v_bias")]
+            layer["qkv_bias"] = jnp.concatenate(biases)[:, None]  # [(H + 2K) * D, 1]
+        if config.qk_norm:
+            layer["q_norm"], layer["k_norm"] = p["q_norm"], p["k_norm"]
+        layers.append(layer)
+    return layers
 
 
 def prefill(
@@ -84,7 +119,7 @@ def prefill(
 
 def decode_step(
     params: dict,
-    layers: list[dict],  # unstack_layers(params, L)
+    layers: list[dict],  # decode_layers(params, config)
     cache: GroupCache,
     tokens: jax.Array,  # int32[P*G], one new token per row
     positions: jax.Array,  # int32[P*G], their RoPE positions
@@ -94,13 +129,33 @@ def decode_step(
     config: ModelConfig,
 ) -> tuple[jax.Array, GroupCache]:
     """Feeds one token per row; returns the final hidden states [P*G, E] and the cache with
-    completion slot `slot` written. Rows attend to their prompt and completion slots <= slot."""
+    completion slot `slot` written. Rows attend to their prompt and completion slots <= slot.
+
+    The residual stream runs feature-major, x^T [E, B], so that every projection is
+    W^T [out, in] @ x^T (`decode_layers` says why); attention runs row-major as in the
+    forward pass, and only its [B, H*D] inputs and output are transposed.
+    """
+    eps = config.rms_norm_eps
+    rows = tokens.shape[0]
+    heads, kv_heads, dim = config.num_heads, config.num_kv_heads, config.head_dim
     completion_mask = jnp.arange(cache.completion_k[0].shape[2]) <= slot  # [N]
     cos, sin = rope_tables(config, positions[:, None])  # [B, 1, D/2]
-    x = embed_tokens(params["embed"], tokens[:, None])  # [B, 1, E]
+    x = embed_tokens(params["embed"], tokens)  # [B, E]
+    x = _feature_major(row_major(x.T))  # [E, B]
     new_k, new_v = [], []
-    for i, layer_params in enumerate(layers):
-        q, k, v = attention_inputs(config, layer_params, x, cos, sin)  # k, v [B, K, 1, D]
+    for i, layer in enumerate(layers):
+        h = _rms_norm_columns(x, layer["attn_norm"], eps)  # [E, B]
+        qkv = _times(layer["qkv"], h)  # [(H + 2K) * D, B]
+        if config.qkv_bias:
+            qkv = qkv + layer["qkv_bias"]
+        qkv = row_major(qkv.T)  # [B, (H + 2K) * D]: one transposed copy for all three
+        q, k, v = jnp.split(qkv, [heads * dim, (heads + kv_heads) * dim], axis=1)
+        q = q.reshape(rows, 1, heads, dim)  # [B, 1, H, D]
+        k = k.reshape(rows, 1, kv_heads, dim)
+        v = v.reshape(rows, kv_heads, 1, dim)  # [B, K, 1, D]
+        if config.qk_norm:
+            q, k = rms_norm(q, layer["q_norm"], eps), rms_norm(k, layer["k_norm"], eps)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin).transpose(0, 2, 1, 3)
         completion_k = jax.lax.dynamic_update_slice(
             cache.completion_k[i], k.astype(cache.completion_k[i].dtype), (0, 0, slot, 0)
         )
@@ -115,12 +170,41 @@ def decode_step(
             completion_v,
             prompt_mask,
             completion_mask,
-        )
-        x = finish_layer(config, layer_params, x, attention)
+        )  # [B, 1, H, D]
+        attention = row_major(attention.reshape(rows, heads * dim).T)  # [H*D, B]
+        x = x + _times(layer["o"], attention)
+        h = _rms_norm_columns(x, layer["mlp_norm"], eps)
+        gate, up = jnp.split(_times(layer["gate_up"], h), 2)  # [M, B] each
+        hidden = constrain(jax.nn.silu(gate) * up, ("mlp", "batch"))
+        x = _feature_major(x + _times(layer["down"], hidden))
         new_k.append(completion_k)
         new_v.append(completion_v)
-    hidden = rms_norm(x[:, 0], params["final_norm"], config.rms_norm_eps)  # [B, E]
+    x = row_major(x.T)  # [B, E]
+    hidden = rms_norm(x, params["final_norm"], eps)
     return hidden, cache._replace(completion_k=tuple(new_k), completion_v=tuple(new_v))
+
+
+def _times(weight: jax.Array, x: jax.Array) -> jax.Array:
+    """weight [out, in] @ x [in, B] in the weight's dtype, summed in f32; in x's dtype.
+
+    The product is pinned row-major (`row_major`): a transpose of it (the queries, keys and
+    values go back to row-major [B, ...]) would otherwise be folded into the product as
+    transposed operands, which XLA:CPU has no bf16 kernel for.
+    """
+    product = jnp.dot(weight, x.astype(weight.dtype), preferred_element_type=jnp.float32)
+    return row_major(product.astype(x.dtype))
+
+
+def _rms_norm_columns(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """`rms_norm` of each column of x [E, B] (one token per column), scale [E, 1]."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=0, keepdims=True) + eps)
+    return (normed * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def _feature_major(x: jax.Array) -> jax.Array:  # [E, B]
+    """The residual stream's placement on a mesh: rows (tokens) split like the batch."""
+    return constrain(x, (None, "batch"))
 
 
 def shared_prefix_attention(

@@ -6,9 +6,14 @@ import numpy as np
 import pytest
 from tiny_hf import FAMILIES, VOCAB
 
-from models.group_decode import decode_step, prefill, shared_prefix_attention, unstack_layers
+from models.group_decode import decode_layers, decode_step, prefill, shared_prefix_attention
 from models.hf import from_pretrained
-from models.transformer import grouped_query_attention, logits_from_hidden
+from models.transformer import (
+    forward,
+    grouped_query_attention,
+    logits_from_hidden,
+    with_matmul_weights,
+)
 
 
 def test_shared_prefix_attention_equals_attention_over_the_copied_prompt():
@@ -41,12 +46,16 @@ def test_shared_prefix_attention_equals_attention_over_the_copied_prompt():
     np.testing.assert_allclose(got, expected, atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("matmul_dtype", [None, "bfloat16"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_prefill_then_group_decode_equals_full_forward(family, hf_checkpoint):
+def test_prefill_then_group_decode_equals_full_forward(family, matmul_dtype, hf_checkpoint):
     """G rows continue each prompt with their own tokens; every step's logits equal a full
-    forward over prompt + completion (left-padded prompts, biases, qk-norm, tied heads)."""
+    forward over prompt + completion (left-padded prompts, biases, qk-norm, tied heads), also
+    with bf16 weight matrices: the decode rounds the same operands as the forward pass."""
     model = from_pretrained(hf_checkpoint(family)[0])
     params, config = model.params(), model.config
+    if matmul_dtype:
+        params = with_matmul_weights(params, jnp.dtype(matmul_dtype))
     prompts, groups, new_tokens, length = 2, 3, 5, 8
     rng = np.random.default_rng(0)
     prompt_ids = rng.integers(3, VOCAB, (prompts, length)).astype(np.int32)
@@ -64,7 +73,7 @@ def test_prefill_then_group_decode_equals_full_forward(family, hf_checkpoint):
         max_new_tokens=new_tokens,
     )
     steps = [np.repeat(np.asarray(logits_from_hidden(params, hidden)), groups, axis=0)]
-    layers = unstack_layers(params, config.num_layers)
+    layers = decode_layers(params, config)
     step = jax.jit(decode_step, static_argnames="config")
     lengths = np.repeat(prompt_mask.sum(-1), groups)
     for slot in range(new_tokens - 1):
@@ -83,5 +92,60 @@ def test_prefill_then_group_decode_equals_full_forward(family, hf_checkpoint):
 
     sequence = np.concatenate([np.repeat(prompt_ids, groups, 0), completions], axis=1)
     mask = np.concatenate([np.repeat(prompt_mask, groups, 0), np.ones_like(completions)], axis=1)
-    full = np.asarray(model(jnp.asarray(sequence), attention_mask=jnp.asarray(mask)))
-    np.testing.assert_allclose(incremental, full[:, length - 1 : -1], atol=1e-5, rtol=0)
+    full = np.asarray(
+        forward(params, jnp.asarray(sequence), attention_mask=jnp.asarray(mask), config=config)
+    )
+    gap = np.abs(incremental - full[:, length - 1 : -1])
+    if matmul_dtype is None:
+        assert gap.max() < 1e-5
+    else:
+        # Equal but where a last-bit difference between the two programs' f32 sums flips an
+        # operand's bf16 rounding (measured: qwen3 mean 5e-6, max 6e-4; the others 2e-7).
+        assert gap.mean() < 2e-5 and gap.max() < 2e-3
+
+
+def test_decode_products_read_the_weights_as_their_left_operand(hf_checkpoint):
+    """Every weight product of a bf16 decode step is W^T [out, in] @ x^T [in, B], contracting
+    the weight's minor axis and the activations' major one: the form in which XLA:CPU does not
+    repack the weights on every call (`decode_layers`). A transposed operand would also have
+    no bf16 kernel on CPU."""
+    model = from_pretrained(hf_checkpoint("llama3")[0])
+    config = model.config
+    params = with_matmul_weights(model.params(), jnp.bfloat16)
+    prompts, groups, slots = 2, 3, 4
+    prompt_mask = jnp.ones((prompts, 6), jnp.int32)
+    _, cache = prefill(
+        params,
+        jnp.ones((prompts, 6), jnp.int32),
+        prompt_mask,
+        config=config,
+        num_generations=groups,
+        max_new_tokens=slots,
+    )
+    rows = prompts * groups
+    hlo = (
+        jax.jit(decode_step, static_argnames="config")
+        .lower(
+            params,
+            decode_layers(params, config),
+            cache,
+            jnp.ones((rows,), jnp.int32),
+            jnp.full((rows,), 6, jnp.int32),
+            jnp.int32(0),
+            prompt_mask,
+            config=config,
+        )
+        .compile()
+        .as_text()
+    )
+    products = [line for line in hlo.splitlines() if " dot(" in line and "batch_dims" not in line]
+    e, m, d = config.hidden_size, config.intermediate_size, config.head_dim
+    qkv = (config.num_heads + 2 * config.num_kv_heads) * d
+    # Per layer: q/k/v, o, gate/up, down; each [out, B] in f32.
+    expected = sorted(
+        [f"f32[{qkv},{rows}]", f"f32[{e},{rows}]", f"f32[{2 * m},{rows}]", f"f32[{e},{rows}]"]
+        * config.num_layers
+    )
+    assert sorted(line.split(" = ")[1].split("{")[0] for line in products) == expected
+    for line in products:
+        assert "lhs_contracting_dims={1}, rhs_contracting_dims={0}" in line, line
