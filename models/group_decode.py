@@ -144,7 +144,7 @@ def decode_step(
     x = _feature_major(row_major(x.T))  # [E, B]
     new_k, new_v = [], []
     for i, layer in enumerate(layers):
-        h = _rms_norm_columns(x, layer["attn_norm"], eps)  # [E, B]
+        h = rms_norm(x, layer["attn_norm"], eps, axis=0)  # [E, B]
         qkv = _times(layer["qkv"], h)  # [(H + 2K) * D, B]
         if config.qkv_bias:
             qkv = qkv + layer["qkv_bias"]
@@ -173,7 +173,7 @@ def decode_step(
         )  # [B, 1, H, D]
         attention = row_major(attention.reshape(rows, heads * dim).T)  # [H*D, B]
         x = x + _times(layer["o"], attention)
-        h = _rms_norm_columns(x, layer["mlp_norm"], eps)
+        h = rms_norm(x, layer["mlp_norm"], eps, axis=0)
         gate, up = jnp.split(_times(layer["gate_up"], h), 2)  # [M, B] each
         hidden = constrain(jax.nn.silu(gate) * up, ("mlp", "batch"))
         x = _feature_major(x + _times(layer["down"], hidden))
@@ -193,13 +193,6 @@ def _times(weight: jax.Array, x: jax.Array) -> jax.Array:
     """
     product = jnp.dot(weight, x.astype(weight.dtype), preferred_element_type=jnp.float32)
     return row_major(product.astype(x.dtype))
-
-
-def _rms_norm_columns(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
-    """`rms_norm` of each column of x [E, B] (one token per column), scale [E, 1]."""
-    x32 = x.astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=0, keepdims=True) + eps)
-    return (normed * scale.astype(jnp.float32)).astype(x.dtype)
 
 
 def _feature_major(x: jax.Array) -> jax.Array:  # [E, B]

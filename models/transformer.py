@@ -384,10 +384,10 @@ def logits_from_hidden(params: dict, hidden: jax.Array) -> jax.Array:
 # --- the pure layer ----------------------------------------------------------------------
 
 
-def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
-    """x / rms(x) * scale, in f32, returned in x's dtype."""
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float, axis: int = -1) -> jax.Array:
+    """x / rms(x) * scale over `axis` (scale broadcast against x), in f32, in x's dtype."""
     x32 = x.astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=axis, keepdims=True) + eps)
     return (normed * scale.astype(jnp.float32)).astype(x.dtype)
 
 
