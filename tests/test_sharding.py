@@ -112,16 +112,21 @@ def reference():
     )
     result = {"params": params, "batch": batch, "prompts": (prompt_ids, prompt_mask)}
     result["loss"], result["grads"] = loss_and_grads(params, jax.tree.map(jnp.asarray, batch))
-    state, metrics = train_step(
-        init_state(jax.tree.map(jnp.copy, params), SGD),
-        jax.tree.map(jnp.asarray, batch),
-        model_config=CONFIG,
-        update_config=UPDATE,
-        optimizer=SGD,
-    )
-    result["stepped"], result["step_loss"] = state.params, metrics["loss"]
+    result["stepped"], result["step_loss"] = sgd_step(params, jax.tree.map(jnp.asarray, batch))
     result["greedy"] = greedy(params, *map(jnp.asarray, result["prompts"]))
     return jax.tree.map(np.asarray, result)
+
+
+def sgd_step(params, batch, update_config=UPDATE):
+    """One train_step with SGD from a copy of `params`: (new parameters, loss)."""
+    state, metrics = train_step(
+        init_state(jax.tree.map(jnp.copy, params), SGD),
+        batch,
+        model_config=CONFIG,
+        update_config=update_config,
+        optimizer=SGD,
+    )
+    return state.params, metrics["loss"]
 
 
 @jax.jit
@@ -181,30 +186,20 @@ def test_sharded_loss_grads_step_and_rollout_equal_one_device(shape):
 
     with rules_context(mesh):
         loss, grads = loss_and_grads(params, batch)
-        state, metrics = train_step(
-            init_state(jax.tree.map(jnp.copy, params), SGD),
-            batch,
-            model_config=CONFIG,
-            update_config=UPDATE,
-            optimizer=SGD,
-        )
+        stepped, step_loss = sgd_step(params, batch)
         tokens = greedy(params, *prompts)
 
     np.testing.assert_allclose(loss, expected["loss"], **TOLERANCE)
     jax.tree.map(
         lambda a, b: np.testing.assert_allclose(a, b, **TOLERANCE), grads, expected["grads"]
     )
-    np.testing.assert_allclose(metrics["loss"], expected["step_loss"], **TOLERANCE)
+    np.testing.assert_allclose(step_loss, expected["step_loss"], **TOLERANCE)
     jax.tree.map(
-        lambda a, b: np.testing.assert_allclose(a, b, **TOLERANCE),
-        state.params,
-        expected["stepped"],
+        lambda a, b: np.testing.assert_allclose(a, b, **TOLERANCE), stepped, expected["stepped"]
     )
     np.testing.assert_array_equal(tokens, expected["greedy"])
     # The stepped parameters keep the rules' placement (nothing gathered onto every device).
-    jax.tree.map(
-        lambda array, sharding: _assert_placed(array, sharding), state.params, param_shardings
-    )
+    jax.tree.map(lambda array, sharding: _assert_placed(array, sharding), stepped, param_shardings)
 
 
 @pytest.mark.parametrize("shape", [(1, 8, 1), (2, 2, 2), (1, 4, 2)], ids=str)
@@ -213,22 +208,11 @@ def test_bf16_matmul_update_on_a_mesh_equals_one_device(shape):
     are the same on any mesh, so only the f32 sums' order differs."""
     expected = reference()
     update = UpdateConfig(beta=0.0, matmul_dtype="bfloat16")
-
-    def stepped(params, batch):
-        state, metrics = train_step(
-            init_state(jax.tree.map(jnp.copy, params), SGD),
-            batch,
-            model_config=CONFIG,
-            update_config=update,
-            optimizer=SGD,
-        )
-        return state.params, metrics["loss"]
-
-    one_device = stepped(expected["params"], jax.tree.map(jnp.asarray, expected["batch"]))
+    one_device = sgd_step(expected["params"], jax.tree.map(jnp.asarray, expected["batch"]), update)
     mesh = make_mesh(shape)
     params, batch, _ = placed(expected, mesh)
     with rules_context(mesh):
-        sharded = stepped(params, batch)
+        sharded = sgd_step(params, batch, update)
     np.testing.assert_allclose(sharded[1], one_device[1], **TOLERANCE)  # the loss
     # Another order of f32 sums can flip the bf16 rounding of a cotangent or a gradient:
     # each tensor's update stays within one bf16 step (2^-8) of the one-device update's
