@@ -4,8 +4,9 @@ session.
 
 Many tests compile the same small programs (in this process and in the `python -m jgrpo.train`
 processes they start); a persistent compilation cache in a fresh directory per session, which
-the child processes inherit, compiles each once. `count_compiles` counts cache hits as
-compilations, so a recompile is still seen.
+the child processes inherit, compiles each once. Under `pytest -n 2` (pytest-xdist) this file
+runs first in the controlling process, so both workers inherit its flags and share its cache.
+`count_compiles` counts cache hits as compilations, so a recompile is still seen.
 """
 
 import atexit
@@ -15,7 +16,8 @@ import tempfile
 
 from xla_flags import xla_flags
 
-os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), xla_flags(8)]).strip()
+if xla_flags(8) not in os.environ.get("XLA_FLAGS", ""):  # xdist workers inherit them
+    os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), xla_flags(8)]).strip()
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _cache = tempfile.mkdtemp(prefix="jgrpo-tests-jax-cache-")
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)

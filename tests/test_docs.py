@@ -337,8 +337,8 @@ def _check_setup(command: str) -> None:
             assert words[3] in (".", ".[test]") and 'pip install --quiet -e ".[test]"' in CI
         elif words[:2] == ["pip", "install"]:
             assert f"pip install --quiet {' '.join(words[2:])}" in CI, part
-        elif part == "python -m pytest":
-            assert "python -m pytest" in CI
+        elif words[:3] == ["python", "-m", "pytest"]:
+            assert part in CI, f"{part!r} is not the test command .ci/run runs"
         elif part == "python -m jgrpo.train":
             _test_exists(ELSEWHERE[part])
         else:
@@ -369,7 +369,7 @@ def check_command(command: str, workdir, capsys, run: bool = False) -> tuple | N
     if words[:3] == ["python", "-m", "jgrpo.generate"]:
         return _check_generate(words[3:], workdir, capsys, run)
     if words[:3] == ["python", "-m", "pytest"]:
-        assert "python -m pytest" in CI
+        assert command in CI, f"{command!r} is not the test command .ci/run runs"
         return None
     if words[0] == "python" and words[1].startswith("scripts/"):
         return _check_script(words[1], words[2:], workdir, run)
