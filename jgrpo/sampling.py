@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from models.config import ModelConfig
-from models.group_decode import decode_layers, decode_step, prefill
+from models.group_decode import decode_layers, decode_step, grow_completion_cache, prefill
 from models.transformer import logits_from_hidden, with_matmul_weights
 
 
@@ -150,6 +150,28 @@ def sample_tokens(
     return tokens.astype(jnp.int32), chosen
 
 
+# Completions at least this long decode in phases of growing attention windows.
+PHASED_DECODE_MIN_TOKENS = 256
+_PHASES = 4
+_PHASE_MULTIPLE = 8  # phase ends are multiples of this many completion slots
+
+
+def attention_phases(max_new_tokens: int) -> list[int]:
+    """Ends of the decode loop's phases, in completion slots; the last is `max_new_tokens`.
+
+    A decode step attends to every slot of its completion buffers, written or not; with the
+    loop in four phases whose buffers hold only the slots written by the phase's end, a
+    rollout reads about 5/8 of the slots one phase would. Each phase compiles its own copy
+    of the decode step, so short completions, where attention is a small part of a step,
+    decode in one phase.
+    """
+    if max_new_tokens < PHASED_DECODE_MIN_TOKENS:
+        return [max_new_tokens]
+    size = -(-max_new_tokens // _PHASES)
+    size = -(-size // _PHASE_MULTIPLE) * _PHASE_MULTIPLE
+    return [*range(size, max_new_tokens, size), max_new_tokens]
+
+
 @functools.partial(jax.jit, static_argnames=("model_config", "num_generations", "sampling"))
 def rollout(
     params: dict,
@@ -172,7 +194,9 @@ def rollout(
 
     Each prompt is prefilled once (cost independent of G) and its KV cache is shared by its G
     rows, never copied; only its last logits are repeated G times. The decode loop runs on
-    device until every row has emitted a stop token or N tokens.
+    device until every row has emitted a stop token or N tokens. From N = 256 it runs in four
+    phases whose completion buffers grow (`attention_phases`), so that attention reads about
+    5/8 of the cache slots it would read in one phase.
 
     With `sampling.weights_dtype="bfloat16"` the weight matrices are cast once per rollout
     (`models.transformer.with_matmul_weights`) and every product accumulates in f32: decoding
@@ -185,13 +209,14 @@ def rollout(
         params = with_matmul_weights(params, jnp.dtype(sampling.weights_dtype))
 
     # Prefill: P rows; the G rows of a prompt share its cache and start from its last logits.
+    phases = attention_phases(steps)
     hidden, cache = prefill(
         params,
         prompt_ids,
         prompt_mask,
         config=model_config,
         num_generations=num_generations,
-        max_new_tokens=steps,
+        max_new_tokens=phases[0],  # completion slots of the first phase
     )
     next_logits = jnp.repeat(logits_from_hidden(params, hidden), num_generations, axis=0)
     prompt_lengths = jnp.repeat(prompt_mask.astype(jnp.int32).sum(-1), num_generations)  # [P*G]
@@ -245,8 +270,16 @@ def rollout(
         logits = logits_from_hidden(params, hidden)  # [P*G, V]
         return sample_step(dict(state, cache=cache), logits)
 
-    # Token 0 comes from the prefill's logits, so N tokens take N - 1 decode forwards.
-    final = jax.lax.while_loop(keep_going, decode_step_and_sample, sample_step(start, next_logits))
+    # Token 0 comes from the prefill's logits, so N tokens take N - 1 decode forwards. The
+    # step at state["step"] = s writes completion slot s - 1, so a phase whose buffers hold
+    # `end` slots runs the steps s <= end (`attention_phases`).
+    final = sample_step(start, next_logits)
+    for end in phases:
+        final = jax.lax.while_loop(
+            lambda state, end=end: keep_going(state) & (state["step"] <= end),
+            decode_step_and_sample,
+            dict(final, cache=grow_completion_cache(final["cache"], end)),
+        )
     lengths = final["lengths"]
     return Rollout(
         tokens=final["tokens"],

@@ -117,6 +117,24 @@ def prefill(
     return hidden[:, -1], cache
 
 
+def grow_completion_cache(cache: GroupCache, slots: int) -> GroupCache:
+    """`cache` with each layer's completion buffers zero-padded to `slots` slots.
+
+    A decode loop in phases starts with a few slots and grows the buffers between phases, so
+    that attention reads only the slots a phase can have written. (Reading a slice of a buffer
+    that the loop also updates in place made XLA:CPU copy the buffer twice a step.)
+    """
+
+    def grow(x: jax.Array) -> jax.Array:  # [B, K, N, D] -> [B, K, slots, D]
+        padding = ((0, 0), (0, 0), (0, slots - x.shape[2]), (0, 0))
+        return constrain(jnp.pad(x, padding), _CACHE_AXES)
+
+    return cache._replace(
+        completion_k=tuple(map(grow, cache.completion_k)),
+        completion_v=tuple(map(grow, cache.completion_v)),
+    )
+
+
 def decode_step(
     params: dict,
     layers: list[dict],  # decode_layers(params, config)

@@ -8,8 +8,9 @@ import torch
 from tiny_hf import VOCAB
 
 import jgrpo
+from jgrpo import sampling as sampling_module
 from jgrpo.generation import bucket_length, pad_prompts
-from jgrpo.sampling import SamplingConfig, categorical, filter_logits, rollout
+from jgrpo.sampling import SamplingConfig, attention_phases, categorical, filter_logits, rollout
 from models.hf import from_pretrained
 from models.transformer import forward, with_matmul_weights
 
@@ -215,6 +216,42 @@ def test_stop_tokens_end_the_mask_exactly_there(hf_checkpoint):
     np.testing.assert_array_equal(np.asarray(everything_stops.lengths), 1)
     nothing_stops = run(model, ids, mask, max_new_tokens=5, stop_token_ids=())
     np.testing.assert_array_equal(np.asarray(nothing_stops.truncated), True)
+
+
+def test_attention_phases():
+    assert attention_phases(1) == [1]
+    assert attention_phases(255) == [255]  # short completions: one phase
+    assert attention_phases(256) == [64, 128, 192, 256]
+    assert attention_phases(300) == [80, 160, 240, 300]  # windows of ceil(300 / 4) -> 80 slots
+    assert attention_phases(257) == [72, 144, 216, 257]
+
+
+def test_phased_decode_samples_exactly_what_one_phase_samples(hf_checkpoint, monkeypatch):
+    """The decode loop in phases of growing completion buffers (forced here at 24 tokens:
+    phases end at 8, 16 and 24 slots) draws the same tokens with the same log-probs."""
+    model = from_pretrained(hf_checkpoint("qwen2")[0])
+    ids, mask = prompts(seed=5)
+    args = (model.params(), jnp.asarray(ids), jnp.asarray(mask), jax.random.key(3))
+    config = SamplingConfig(max_new_tokens=24, temperature=1.0, stop_token_ids=(EOS, 7))
+    kwargs = dict(model_config=model.config, num_generations=4, sampling=config)
+    results, phases, loops = {}, {}, {}
+    for name, threshold in (("phased", 1), ("one phase", 10**6)):
+        monkeypatch.setattr(sampling_module, "PHASED_DECODE_MIN_TOKENS", threshold)
+        phases[name] = attention_phases(24)
+        # A new function, so that jit traces it anew (its trace cache is keyed by function).
+        program = jax.jit(
+            lambda *a, **k: rollout.__wrapped__(*a, **k), static_argnames=tuple(kwargs)
+        )
+        loops[name] = program.lower(*args, **kwargs).as_text().count("stablehlo.while")
+        results[name] = program(*args, **kwargs)
+    assert phases == {"phased": [8, 16, 24], "one phase": [24]}
+    assert loops["phased"] == loops["one phase"] + 2  # three decode loops instead of one
+    phased, single = results["phased"], results["one phase"]
+    np.testing.assert_array_equal(phased.tokens, single.tokens)
+    np.testing.assert_array_equal(phased.lengths, single.lengths)
+    np.testing.assert_allclose(phased.logprobs, single.logprobs, rtol=0, atol=1e-6)
+    lengths = np.asarray(single.lengths)
+    assert lengths.max() > 16 and lengths.min() < 24  # rows reached the last phase; some stopped
 
 
 def test_randomness_is_a_function_of_the_key(hf_checkpoint):
