@@ -23,7 +23,14 @@ import jax
 import jax.numpy as jnp
 
 from models.config import ModelConfig
-from models.group_decode import decode_layers, decode_step, grow_completion_cache, prefill
+from models.group_decode import (
+    decode_layers,
+    decode_logits,
+    decode_step,
+    grow_completion_cache,
+    prefill,
+    unembedding_rows,
+)
 from models.transformer import logits_from_hidden, with_matmul_weights
 
 
@@ -221,6 +228,7 @@ def rollout(
     next_logits = jnp.repeat(logits_from_hidden(params, hidden), num_generations, axis=0)
     prompt_lengths = jnp.repeat(prompt_mask.astype(jnp.int32).sum(-1), num_generations)  # [P*G]
     layers = decode_layers(params, model_config)
+    unembedding = unembedding_rows(params)  # [V, E]
 
     # All the randomness up front: the loop body then holds no random-bit generator.
     uniforms = jax.random.uniform(key, (steps, rows))  # [N, P*G]
@@ -267,7 +275,7 @@ def rollout(
             prompt_mask,
             config=model_config,
         )
-        logits = logits_from_hidden(params, hidden)  # [P*G, V]
+        logits = decode_logits(unembedding, hidden)  # [P*G, V]
         return sample_step(dict(state, cache=cache), logits)
 
     # Token 0 comes from the prefill's logits, so N tokens take N - 1 decode forwards. The

@@ -6,7 +6,14 @@ import numpy as np
 import pytest
 from tiny_hf import FAMILIES, VOCAB
 
-from models.group_decode import decode_layers, decode_step, prefill, shared_prefix_attention
+from models.group_decode import (
+    decode_layers,
+    decode_logits,
+    decode_step,
+    prefill,
+    shared_prefix_attention,
+    unembedding_rows,
+)
 from models.hf import from_pretrained
 from models.transformer import (
     forward,
@@ -73,7 +80,7 @@ def test_prefill_then_group_decode_equals_full_forward(family, matmul_dtype, hf_
         max_new_tokens=new_tokens,
     )
     steps = [np.repeat(np.asarray(logits_from_hidden(params, hidden)), groups, axis=0)]
-    layers = decode_layers(params, config)
+    layers, unembedding = decode_layers(params, config), unembedding_rows(params)
     step = jax.jit(decode_step, static_argnames="config")
     lengths = np.repeat(prompt_mask.sum(-1), groups)
     for slot in range(new_tokens - 1):
@@ -87,7 +94,7 @@ def test_prefill_then_group_decode_equals_full_forward(family, matmul_dtype, hf_
             jnp.asarray(prompt_mask),
             config=config,
         )
-        steps.append(np.asarray(logits_from_hidden(params, hidden)))
+        steps.append(np.asarray(decode_logits(unembedding, hidden)))
     incremental = np.stack(steps, axis=1)  # [P*G, N, V]
 
     sequence = np.concatenate([np.repeat(prompt_ids, groups, 0), completions], axis=1)
@@ -105,10 +112,15 @@ def test_prefill_then_group_decode_equals_full_forward(family, matmul_dtype, hf_
 
 
 def test_decode_products_read_the_weights_as_their_left_operand(hf_checkpoint):
-    """Every weight product of a bf16 decode step is W^T [out, in] @ x^T [in, B], contracting
-    the weight's minor axis and the activations' major one: the form in which XLA:CPU does not
-    repack the weights on every call (`decode_layers`). A transposed operand would also have
-    no bf16 kernel on CPU."""
+    """Every weight product of a bf16 decode step and its logits is W^T [out, in] @ x^T [in, B],
+    contracting the weight's minor axis and the activations' major one: the form in which
+    XLA:CPU does not repack the weights on every call (`decode_layers`). A transposed operand
+    would also have no bf16 kernel on CPU. (llama3: an untied lm_head.)"""
+
+    def step_and_logits(params, layers, unembedding, cache, *inputs, config):
+        hidden, cache = decode_step(params, layers, cache, *inputs, config=config)
+        return decode_logits(unembedding, hidden), cache
+
     model = from_pretrained(hf_checkpoint("llama3")[0])
     config = model.config
     params = with_matmul_weights(model.params(), jnp.bfloat16)
@@ -124,10 +136,11 @@ def test_decode_products_read_the_weights_as_their_left_operand(hf_checkpoint):
     )
     rows = prompts * groups
     hlo = (
-        jax.jit(decode_step, static_argnames="config")
+        jax.jit(step_and_logits, static_argnames="config")
         .lower(
             params,
             decode_layers(params, config),
+            unembedding_rows(params),
             cache,
             jnp.ones((rows,), jnp.int32),
             jnp.full((rows,), 6, jnp.int32),
@@ -141,10 +154,11 @@ def test_decode_products_read_the_weights_as_their_left_operand(hf_checkpoint):
     products = [line for line in hlo.splitlines() if " dot(" in line and "batch_dims" not in line]
     e, m, d = config.hidden_size, config.intermediate_size, config.head_dim
     qkv = (config.num_heads + 2 * config.num_kv_heads) * d
-    # Per layer: q/k/v, o, gate/up, down; each [out, B] in f32.
+    # Per layer: q/k/v, o, gate/up, down; then the unembedding. Each [out, B] in f32.
     expected = sorted(
         [f"f32[{qkv},{rows}]", f"f32[{e},{rows}]", f"f32[{2 * m},{rows}]", f"f32[{e},{rows}]"]
         * config.num_layers
+        + [f"f32[{config.vocab_size},{rows}]"]
     )
     assert sorted(line.split(" = ")[1].split("{")[0] for line in products) == expected
     for line in products:
