@@ -158,7 +158,7 @@ def sample_tokens(
 
 
 # Completions at least this long decode in phases of growing attention windows.
-PHASED_DECODE_MIN_TOKENS = 256
+PHASED_DECODE_MIN_TOKENS = 64
 _PHASES = 4
 _PHASE_MULTIPLE = 8  # phase ends are multiples of this many completion slots
 
@@ -201,7 +201,7 @@ def rollout(
 
     Each prompt is prefilled once (cost independent of G) and its KV cache is shared by its G
     rows, never copied; only its last logits are repeated G times. The decode loop runs on
-    device until every row has emitted a stop token or N tokens. From N = 256 it runs in four
+    device until every row has emitted a stop token or N tokens. From N = 64 it runs in four
     phases whose completion buffers grow (`attention_phases`), so that attention reads about
     5/8 of the cache slots it would read in one phase.
 

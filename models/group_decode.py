@@ -2,9 +2,10 @@
 
 A group rollout's G rows continue the same prompt. The prompt's keys and values are computed
 once per prompt ([P, K, Lp, D] per layer) and never copied G times: each row's query attends
-to its prompt's cache and to its own completion cache ([P*G, K, N, D] per layer), with one
-softmax over both. Prefill time and memory therefore do not grow with G, and a decode step
-reads each prompt's cache once for its whole group.
+to its prompt's cache and to its own completion cache ([P*G, K, N, D] per layer; the keys
+stored transposed, [P*G, K, D, N]), with one softmax over both. Prefill time and memory
+therefore do not grow with G, and a decode step reads each prompt's cache once for its whole
+group.
 
 The decode step unrolls the layers over one cache buffer per layer, so each layer writes its
 slot in place. (Scanning the layers over a stacked [L, ...] cache in the scan carry made XLA on
@@ -40,6 +41,7 @@ from models.transformer import (
 )
 
 _CACHE_AXES = ("batch", "kv_heads", "length", "head_dim")
+_KEYS_T_AXES = ("batch", "kv_heads", "head_dim", "length")  # completion keys, [B, K, D, N]
 
 
 class GroupCache(NamedTuple):
@@ -47,7 +49,7 @@ class GroupCache(NamedTuple):
 
     prompt_k: tuple[jax.Array, ...]  # L x [P, K, Lp, D]
     prompt_v: tuple[jax.Array, ...]  # L x [P, K, Lp, D]
-    completion_k: tuple[jax.Array, ...]  # L x [P*G, K, N, D]
+    completion_k: tuple[jax.Array, ...]  # L x [P*G, K, D, N]: slots minor (`decode_step`)
     completion_v: tuple[jax.Array, ...]  # L x [P*G, K, N, D]
 
 
@@ -127,13 +129,17 @@ def prefill(
     )  # k, v [L, P, K, Lp, D]
     dtype = params["embed"].dtype
     prompts = prompt_ids.shape[0]
-    shape = (prompts * num_generations, config.num_kv_heads, max_new_tokens, config.head_dim)
+    rows, kv_heads, dim = prompts * num_generations, config.num_kv_heads, config.head_dim
+    keys_shape, values_shape = (
+        (rows, kv_heads, dim, max_new_tokens),
+        (rows, kv_heads, max_new_tokens, dim),
+    )
     layers = range(config.num_layers)
     cache = GroupCache(
         prompt_k=tuple(constrain(k[i].astype(dtype), _CACHE_AXES) for i in layers),
         prompt_v=tuple(constrain(v[i].astype(dtype), _CACHE_AXES) for i in layers),
-        completion_k=tuple(constrain(jnp.zeros(shape, dtype), _CACHE_AXES) for _ in layers),
-        completion_v=tuple(constrain(jnp.zeros(shape, dtype), _CACHE_AXES) for _ in layers),
+        completion_k=tuple(constrain(jnp.zeros(keys_shape, dtype), _KEYS_T_AXES) for _ in layers),
+        completion_v=tuple(constrain(jnp.zeros(values_shape, dtype), _CACHE_AXES) for _ in layers),
     )
     return hidden[:, -1], cache
 
@@ -146,13 +152,17 @@ def grow_completion_cache(cache: GroupCache, slots: int) -> GroupCache:
     that the loop also updates in place made XLA:CPU copy the buffer twice a step.)
     """
 
-    def grow(x: jax.Array) -> jax.Array:  # [B, K, N, D] -> [B, K, slots, D]
+    def grow_keys(x: jax.Array) -> jax.Array:  # [B, K, D, N] -> [B, K, D, slots]
+        padding = ((0, 0), (0, 0), (0, 0), (0, slots - x.shape[3]))
+        return constrain(jnp.pad(x, padding), _KEYS_T_AXES)
+
+    def grow_values(x: jax.Array) -> jax.Array:  # [B, K, N, D] -> [B, K, slots, D]
         padding = ((0, 0), (0, 0), (0, slots - x.shape[2]), (0, 0))
         return constrain(jnp.pad(x, padding), _CACHE_AXES)
 
     return cache._replace(
-        completion_k=tuple(map(grow, cache.completion_k)),
-        completion_v=tuple(map(grow, cache.completion_v)),
+        completion_k=tuple(map(grow_keys, cache.completion_k)),
+        completion_v=tuple(map(grow_values, cache.completion_v)),
     )
 
 
@@ -178,7 +188,7 @@ def decode_step(
     eps = config.rms_norm_eps
     rows = tokens.shape[0]
     heads, kv_heads, dim = config.num_heads, config.num_kv_heads, config.head_dim
-    completion_mask = jnp.arange(cache.completion_k[0].shape[2]) <= slot  # [N]
+    completion_mask = jnp.arange(cache.completion_v[0].shape[2]) <= slot  # [N]
     cos, sin = rope_tables(config, positions[:, None])  # [B, 1, D/2]
     x = embed_tokens(params["embed"], tokens)  # [B, E]
     x = _feature_major(row_major(x.T))  # [E, B]
@@ -195,9 +205,12 @@ def decode_step(
         v = v.reshape(rows, kv_heads, 1, dim)  # [B, K, 1, D]
         if config.qk_norm:
             q, k = rms_norm(q, layer["q_norm"], eps), rms_norm(k, layer["k_norm"], eps)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin).transpose(0, 2, 1, 3)
+        q, k = (
+            apply_rope(q, cos, sin),
+            apply_rope(k, cos, sin).transpose(0, 2, 3, 1),
+        )  # k [B, K, D, 1]
         completion_k = jax.lax.dynamic_update_slice(
-            cache.completion_k[i], k.astype(cache.completion_k[i].dtype), (0, 0, slot, 0)
+            cache.completion_k[i], k.astype(cache.completion_k[i].dtype), (0, 0, 0, slot)
         )
         completion_v = jax.lax.dynamic_update_slice(
             cache.completion_v[i], v.astype(cache.completion_v[i].dtype), (0, 0, slot, 0)
@@ -243,7 +256,7 @@ def shared_prefix_attention(
     q: jax.Array,  # [P*G, 1, H, D]
     prompt_k: jax.Array,  # [P, K, Lp, D]
     prompt_v: jax.Array,  # [P, K, Lp, D]
-    completion_k: jax.Array,  # [P*G, K, N, D]
+    completion_k: jax.Array,  # [P*G, K, D, N]: transposed, slots minor
     completion_v: jax.Array,  # [P*G, K, N, D]
     prompt_mask: jax.Array,  # [P, Lp]
     completion_mask: jax.Array,  # bool[N], the same for every row
@@ -265,9 +278,11 @@ def shared_prefix_attention(
     prompt_scores = jnp.where(prompt_mask[:, None, None, None, :] > 0, prompt_scores, _MASKED)
     prompt_scores = prompt_scores.reshape(rows, kv_heads, per_kv, prompt_slots)
     # Each row's own keys: a multiply-reduce, which XLA fuses (a batched dot of one query row
-    # per (row, kv head) is slower on CPU).
+    # per (row, kv head) is slower on CPU). With the keys stored [B, K, D, N] it sums over a
+    # major axis along the contiguous slots: 0.17 against 0.29 ms a layer at the compare
+    # workload's decode shapes on a 2-core AMD host (docs/benchmarks.md).
     completion_scores = (
-        jnp.sum(q[:, :, :, None, :] * completion_k[:, :, None].astype(jnp.float32), axis=-1) * scale
+        jnp.sum(q[..., None] * completion_k[:, :, None].astype(jnp.float32), axis=-2) * scale
     )  # [B, K, G', N]
     completion_scores = jnp.where(completion_mask, completion_scores, _MASKED)
 

@@ -39,8 +39,9 @@ def test_shared_prefix_attention_equals_attention_over_the_copied_prompt():
     prompt_mask[2, :4] = 0
     completion_mask = np.arange(slots) <= 3  # slots 4 and 5 not written yet
 
+    keys_t = completion_k.transpose(0, 1, 3, 2)  # the cache holds keys [B, K, D, N]
     got = shared_prefix_attention(
-        q, prompt_k, prompt_v, completion_k, completion_v, prompt_mask, completion_mask
+        q, prompt_k, prompt_v, keys_t, completion_v, prompt_mask, completion_mask
     )
     # Reference: the prompt cache copied to each of its G rows, then ordinary attention.
     copied_k = jnp.concatenate([jnp.repeat(prompt_k, groups, 0), completion_k], axis=2)

@@ -220,7 +220,8 @@ def test_stop_tokens_end_the_mask_exactly_there(hf_checkpoint):
 
 def test_attention_phases():
     assert attention_phases(1) == [1]
-    assert attention_phases(255) == [255]  # short completions: one phase
+    assert attention_phases(63) == [63]  # short completions: one phase
+    assert attention_phases(64) == [16, 32, 48, 64]
     assert attention_phases(256) == [64, 128, 192, 256]
     assert attention_phases(300) == [80, 160, 240, 300]  # windows of ceil(300 / 4) -> 80 slots
     assert attention_phases(257) == [72, 144, 216, 257]
