@@ -65,8 +65,12 @@ def chunked_token_logprobs(
     `models.transformer.with_matmul_weights` makes) rounds the hidden states to its dtype:
     every product, forward and backward, takes bf16 operands and sums in f32.
 
-    Chunks are strided (chunk j holds columns j, j + n, j + 2n, ...), so a vocabulary axis
-    sharded across devices stays evenly sharded inside every chunk.
+    Chunks are strided (chunk j holds tokens j, j + n, j + 2n, ...), so a vocabulary axis
+    sharded across devices stays evenly sharded inside every chunk. Each chunk is read as a
+    block of rows of the [V, D] table (`unembedding.T`, free for a tied table), so no copy of
+    the table is transposed or cut by columns: on CPU the forward and backward at the compare
+    workload's shapes took 3.1 against 4.0 s (docs/benchmarks.md). An untied [D, V] head is
+    transposed once per call.
     """
     _check_temperature(temperature)
     if not isinstance(chunk_size, int) or chunk_size < 1:
@@ -83,25 +87,28 @@ def chunked_token_logprobs(
 
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])  # [N, D]
     flat_targets = targets.reshape(-1)  # [N]
-    # The target logit is a gather of N columns: cheap, and plain autodiff handles it.
-    target_columns = jnp.take(unembedding, flat_targets, axis=1).T  # [N, D]
+    # Chunks are taken as rows of the [V, D] table: for a tied embedding table the caller's
+    # transpose cancels out, and every product of the loop reads the table untransposed.
+    table = unembedding.T  # [V, D]
+    # The target logit is a gather of N rows: cheap, and plain autodiff handles it.
+    target_rows = jnp.take(table, flat_targets, axis=0)  # [N, D]
     target_logits = jnp.einsum(  # a bf16 table rounds the hidden states too, as below
         "nd,nd->n",
-        flat_hidden.astype(unembedding.dtype),
-        target_columns,
+        flat_hidden.astype(table.dtype),
+        target_rows,
         preferred_element_type=jnp.float32,
     )
     target_logits = target_logits.astype(jnp.float32) / temperature
-    layout = _vocab_layout(unembedding.shape[1], chunk_size)
+    layout = _vocab_layout(table.shape[0], chunk_size)
     log_normaliser, entropy = _logsumexp_and_entropy(
-        flat_hidden, unembedding, temperature, layout
+        flat_hidden, table, temperature, layout
     )  # [N], [N]
     logprobs = (target_logits - log_normaliser).reshape(targets.shape)
     return logprobs, entropy.reshape(targets.shape)
 
 
 class _VocabLayout(NamedTuple):
-    """The vocabulary as num_chunks strided chunks of `chunk` columns (padded if needed)."""
+    """The vocabulary as num_chunks strided chunks of `chunk` tokens (padded if needed)."""
 
     vocab: int
     num_chunks: int
@@ -122,44 +129,54 @@ def _vocab_layout(vocab: int, chunk_size: int) -> _VocabLayout:
     return _VocabLayout(vocab, fewest, math.ceil(vocab / fewest))
 
 
-_MASKED_LOGIT = -1e30  # padding columns: exp underflows to 0 and 0 * it stays finite
+_MASKED_LOGIT = -1e30  # padding rows: exp underflows to 0 and 0 * it stays finite
 
 
-def _chunk_logits(hidden, unembedding_3d, index, temperature, layout):
-    """Logits of chunk `index`: columns index, index + n, ... as f32[N, chunk]."""
-    columns = jax.lax.dynamic_index_in_dim(unembedding_3d, index, axis=2, keepdims=False)
-    logits = jnp.dot(hidden, columns, preferred_element_type=jnp.float32) / temperature
+def _as_3d(table, layout):
+    """[V, D] -> [chunk, num_chunks, D]: a free reshape (after padding, when needed)."""
+    padding = layout.num_chunks * layout.chunk - layout.vocab
+    if padding:
+        table = jnp.pad(table, ((0, padding), (0, 0)))
+    return table.reshape(layout.chunk, layout.num_chunks, table.shape[1])
+
+
+def _chunk_logits(operand, table_3d, index, temperature, layout):
+    """Logits of chunk `index` (tokens index, index + n, ...) as f32[N, chunk], and its
+    [chunk, D] rows of the table."""
+    rows = jax.lax.dynamic_index_in_dim(table_3d, index, axis=1, keepdims=False)  # [chunk, D]
+    if operand.dtype == jnp.float32:
+        logits = _times_transposed(operand, rows)  # [N, chunk]
+    else:  # XLA:CPU multiplies bf16 fast only untransposed: one [D, chunk] copy per chunk
+        logits = jnp.dot(operand, _row_major(rows.T), preferred_element_type=jnp.float32)
+    logits = logits / temperature
     if layout.num_chunks * layout.chunk != layout.vocab:
         vocab_ids = jnp.arange(layout.chunk) * layout.num_chunks + index  # [chunk]
         logits = jnp.where(vocab_ids < layout.vocab, logits, _MASKED_LOGIT)
-    return logits, columns
+    return logits, rows
 
 
-def _as_3d(unembedding, layout):
-    """[D, V] -> [D, chunk, num_chunks]: a free reshape (after padding, when needed)."""
-    padding = layout.num_chunks * layout.chunk - layout.vocab
-    if padding:
-        unembedding = jnp.pad(unembedding, ((0, 0), (0, padding)))
-    return unembedding.reshape(unembedding.shape[0], layout.chunk, layout.num_chunks)
+def _times_transposed(a, b):
+    """a [N, D] @ b[M, D]^T -> f32[N, M]."""
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _logsumexp_and_entropy(hidden, unembedding, temperature, layout):
-    """(logsumexp_v z_v, -sum_v p_v log p_v) per row, z = hidden @ unembedding / temperature."""
-    return _logsumexp_and_entropy_fwd(hidden, unembedding, temperature, layout)[0]
+def _logsumexp_and_entropy(hidden, table, temperature, layout):
+    """(logsumexp_v z_v, -sum_v p_v log p_v) per row, z = hidden @ table^T / temperature."""
+    return _logsumexp_and_entropy_fwd(hidden, table, temperature, layout)[0]
 
 
-def _logsumexp_and_entropy_fwd(hidden, unembedding, temperature, layout):
+def _logsumexp_and_entropy_fwd(hidden, table, temperature, layout):
     """One pass over the chunks carrying, relative to the running max m of each row,
     s = sum exp(z - m) and w = sum exp(z - m) (z - m); then logsumexp = m + log s and
     entropy = log s - w / s (both from small numbers: no cancellation)."""
-    unembedding_3d = _as_3d(unembedding, layout)
+    table_3d = _as_3d(table, layout)
     rows = hidden.shape[0]
-    operand = hidden.astype(unembedding.dtype)  # a bf16 table multiplies in bf16, f32 sums
+    operand = hidden.astype(table.dtype)  # a bf16 table multiplies in bf16, f32 sums
 
     def body(index, carry):
         running_max, normaliser, weighted = carry  # [N] each
-        logits, _ = _chunk_logits(operand, unembedding_3d, index, temperature, layout)
+        logits, _ = _chunk_logits(operand, table_3d, index, temperature, layout)
         new_max = jnp.maximum(running_max, logits.max(axis=-1))
         shift = running_max - new_max  # <= 0
         rescale = jnp.exp(shift)
@@ -177,51 +194,49 @@ def _logsumexp_and_entropy_fwd(hidden, unembedding, temperature, layout):
     running_max, normaliser, weighted = jax.lax.fori_loop(0, layout.num_chunks, body, start)
     log_normaliser = running_max + jnp.log(normaliser)
     entropy = jnp.log(normaliser) - weighted / normaliser
-    return (log_normaliser, entropy), (hidden, unembedding, log_normaliser, entropy)
+    return (log_normaliser, entropy), (hidden, table, log_normaliser, entropy)
 
 
 def _logsumexp_and_entropy_bwd(temperature, layout, residuals, cotangents):
     """Recomputes each chunk. With log p = z - logsumexp z and H the entropy:
     d logsumexp / dz = p;  dH / dz = -p (log p + H)."""
-    hidden, unembedding, log_normaliser, entropy = residuals
+    hidden, table, log_normaliser, entropy = residuals
     grad_lse, grad_entropy = cotangents  # [N] each
-    unembedding_3d = _as_3d(unembedding, layout)
+    table_3d = _as_3d(table, layout)
     # A table in a lower precision than the hidden states (`with_matmul_weights`):
     # the backward's products too take operands in its dtype, untransposed (`mixed_matmul`).
-    mixed = unembedding.dtype != hidden.dtype
-    operand = hidden.astype(unembedding.dtype)
-    operand_t = _row_major(operand.T) if mixed else None  # [D, N]
+    mixed = table.dtype != hidden.dtype
+    operand = hidden.astype(table.dtype)
 
     def body(index, carry):
-        grad_hidden, grad_unembedding_3d = carry
-        logits, columns = _chunk_logits(operand, unembedding_3d, index, temperature, layout)
+        grad_hidden, grad_table_3d = carry
+        logits, rows = _chunk_logits(operand, table_3d, index, temperature, layout)
         log_probs = logits - log_normaliser[:, None]  # [N, chunk]
         grad_logits = jnp.exp(log_probs) * (
             grad_lse[:, None] - grad_entropy[:, None] * (log_probs + entropy[:, None])
         )
-        grad_logits = grad_logits / temperature  # through z = hidden @ W / temperature
+        grad_logits = grad_logits / temperature  # through z = hidden @ W^T / temperature
         if mixed:
-            grad_low = grad_logits.astype(unembedding.dtype)
-            grad_hidden = grad_hidden + jnp.dot(
-                grad_low, _row_major(columns.T), preferred_element_type=jnp.float32
+            grad_low = grad_logits.astype(table.dtype)
+            grad_hidden = grad_hidden + jnp.dot(grad_low, rows, preferred_element_type=jnp.float32)
+            grad_rows = jnp.dot(  # [chunk, D]
+                _row_major(grad_low.T), operand, preferred_element_type=jnp.float32
             )
-            grad_columns = jnp.dot(operand_t, grad_low, preferred_element_type=jnp.float32)
         else:
-            grad_hidden = grad_hidden + jnp.dot(grad_logits, columns.astype(jnp.float32).T)
-            grad_columns = jnp.dot(hidden.astype(jnp.float32).T, grad_logits)  # [D, chunk]
-        grad_unembedding_3d = jax.lax.dynamic_update_index_in_dim(
-            grad_unembedding_3d, grad_columns, index, axis=2
-        )
-        return grad_hidden, grad_unembedding_3d
+            grad_hidden = grad_hidden + jnp.dot(grad_logits, rows.astype(jnp.float32))
+            grad_rows = jax.lax.dot_general(  # grad_logits^T @ hidden, [chunk, D]
+                grad_logits, hidden.astype(jnp.float32), (((0,), (0,)), ((), ()))
+            )
+        grad_table_3d = jax.lax.dynamic_update_index_in_dim(grad_table_3d, grad_rows, index, axis=1)
+        return grad_hidden, grad_table_3d
 
     start = (
         jnp.zeros(hidden.shape, jnp.float32),
-        jnp.zeros(unembedding_3d.shape, jnp.float32),
+        jnp.zeros(table_3d.shape, jnp.float32),
     )
-    grad_hidden, grad_unembedding_3d = jax.lax.fori_loop(0, layout.num_chunks, body, start)
-    grad_unembedding = grad_unembedding_3d.reshape(unembedding.shape[0], -1)
-    grad_unembedding = grad_unembedding[:, : layout.vocab]
-    return grad_hidden.astype(hidden.dtype), grad_unembedding.astype(unembedding.dtype)
+    grad_hidden, grad_table_3d = jax.lax.fori_loop(0, layout.num_chunks, body, start)
+    grad_table = grad_table_3d.reshape(-1, table.shape[1])[: layout.vocab]
+    return grad_hidden.astype(hidden.dtype), grad_table.astype(table.dtype)
 
 
 _logsumexp_and_entropy.defvjp(_logsumexp_and_entropy_fwd, _logsumexp_and_entropy_bwd)
