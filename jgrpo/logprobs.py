@@ -87,8 +87,7 @@ def chunked_token_logprobs(
 
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])  # [N, D]
     flat_targets = targets.reshape(-1)  # [N]
-    # Chunks are taken as rows of the [V, D] table: for a tied embedding table the caller's
-    # transpose cancels out, and every product of the loop reads the table untransposed.
+    # Chunks are row blocks of the [V, D] table: a tied table's transpose (the caller's) cancels.
     table = unembedding.T  # [V, D]
     # The target logit is a gather of N rows: cheap, and plain autodiff handles it.
     target_rows = jnp.take(table, flat_targets, axis=0)  # [N, D]

@@ -130,10 +130,8 @@ def prefill(
     dtype = params["embed"].dtype
     prompts = prompt_ids.shape[0]
     rows, kv_heads, dim = prompts * num_generations, config.num_kv_heads, config.head_dim
-    keys_shape, values_shape = (
-        (rows, kv_heads, dim, max_new_tokens),
-        (rows, kv_heads, max_new_tokens, dim),
-    )
+    keys_shape = (rows, kv_heads, dim, max_new_tokens)  # transposed: slots minor
+    values_shape = (rows, kv_heads, max_new_tokens, dim)
     layers = range(config.num_layers)
     cache = GroupCache(
         prompt_k=tuple(constrain(k[i].astype(dtype), _CACHE_AXES) for i in layers),
@@ -205,10 +203,8 @@ def decode_step(
         v = v.reshape(rows, kv_heads, 1, dim)  # [B, K, 1, D]
         if config.qk_norm:
             q, k = rms_norm(q, layer["q_norm"], eps), rms_norm(k, layer["k_norm"], eps)
-        q, k = (
-            apply_rope(q, cos, sin),
-            apply_rope(k, cos, sin).transpose(0, 2, 3, 1),
-        )  # k [B, K, D, 1]
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin).transpose(0, 2, 3, 1)  # [B, K, D, 1]: cached transposed
         completion_k = jax.lax.dynamic_update_slice(
             cache.completion_k[i], k.astype(cache.completion_k[i].dtype), (0, 0, 0, slot)
         )
