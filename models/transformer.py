@@ -385,10 +385,19 @@ def logits_from_hidden(params: dict, hidden: jax.Array) -> jax.Array:
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float, axis: int = -1) -> jax.Array:
-    """x / rms(x) * scale over `axis` (scale broadcast against x), in f32, in x's dtype."""
-    x32 = x.astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=axis, keepdims=True) + eps)
-    return (normed * scale.astype(jnp.float32)).astype(x.dtype)
+    """x / rms(x) * scale over `axis` (scale broadcast against x), in f32, in x's dtype.
+
+    Recomputed from x in the backward pass: plain autodiff keeps the normalised x and
+    more of the same size, beside x and the output that the next product keeps anyway.
+    """
+
+    @jax.checkpoint
+    def normalise(x, scale):
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=axis, keepdims=True) + eps)
+        return (normed * scale.astype(jnp.float32)).astype(x.dtype)
+
+    return normalise(x, scale)
 
 
 def inverse_frequencies(config: ModelConfig) -> np.ndarray:  # f32[D/2]
@@ -518,9 +527,21 @@ def finish_layer(config, params, x, attention):
     h = rms_norm(x, params["mlp_norm"], config.rms_norm_eps)
     gate = project(h, params["gate_kernel"])  # [B, T, M]
     up = project(h, params["up_kernel"])
-    hidden = constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
+    hidden = constrain(swiglu(gate, up), ("batch", "length", "mlp"))
     x = x + project(hidden, params["down_kernel"])
     return constrain(x, ("batch", "length", "embed"))
+
+
+@functools.partial(jax.checkpoint, prevent_cse=False)
+def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """silu(gate) * up, recomputed from gate and up in the backward pass.
+
+    Plain autodiff keeps the sigmoid, silu(gate) and two more [B, T, M] intermediates per
+    layer next to gate and up; recomputing them is a few elementwise operations
+    (docs/benchmarks.md: with `rms_norm` and `softmax` alike, the update's temporary memory
+    at the compare workload 5.95 -> 3.89 GB).
+    """
+    return jax.nn.silu(gate) * up
 
 
 def decoder_layer(config, params, x, cos, sin, mask, cache=None, offset=0):
@@ -562,9 +583,29 @@ def grouped_query_attention(q, k, v, mask):
     scores = jnp.einsum("bkgtd,bksd->bkgts", q, k, preferred_element_type=jnp.float32)
     scores = scores * (dim**-0.5)
     scores = jnp.where(mask[:, None, None], scores, _MASKED)  # [B, K, G, T, S]
-    probs = jax.nn.softmax(scores, axis=-1)
+    probs = softmax(scores)
     out = jnp.einsum("bkgts,bksd->bkgtd", probs.astype(v.dtype), v)  # [B, K, G, T, D]
     return out.transpose(0, 3, 1, 2, 4).reshape(batch, length, heads, dim)
+
+
+@jax.custom_jvp
+def softmax(x: jax.Array) -> jax.Array:
+    """Softmax over the last axis whose derivative needs only its output.
+
+    `jax.nn.softmax` differentiates through its exp and division by default and so keeps
+    both the unnormalised exponentials and the probabilities for the backward pass: two
+    [B, K, G, T, S] tensors per attention layer where one suffices.
+    """
+    shifted = x - jax.lax.stop_gradient(x.max(axis=-1, keepdims=True))
+    weights = jnp.exp(shifted)
+    return weights / weights.sum(axis=-1, keepdims=True)
+
+
+@softmax.defjvp
+def _softmax_jvp(primals, tangents):
+    (x,), (x_dot,) = primals, tangents
+    y = softmax(x)
+    return y, y * (x_dot - (y * x_dot).sum(axis=-1, keepdims=True))
 
 
 def _default_mask(mask, shape, expected):

@@ -9,12 +9,22 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
+from jax.ad_checkpoint import print_saved_residuals
 from tiny_hf import FAMILIES, VOCAB
 
 import jgrpo
 from models.config import preset
 from models.hf import from_pretrained
-from models.transformer import Transformer, forward, init_cache, inverse_frequencies
+from models.transformer import (
+    _MASKED,
+    Transformer,
+    forward,
+    init_cache,
+    inverse_frequencies,
+    rms_norm,
+    softmax,
+    swiglu,
+)
 
 
 def batch(seed=0, length=11):
@@ -135,6 +145,82 @@ def test_remat_gives_the_same_gradients():
     plain, rematerialised = grads(False), grads(True)
     for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(rematerialised), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)
+
+
+def saved_shapes(capsys, fn, *args) -> list[str]:
+    """Shapes of what `fn`'s backward pass keeps from its forward pass, sorted."""
+    capsys.readouterr()
+    print_saved_residuals(fn, *args)
+    return sorted(line.split()[0] for line in capsys.readouterr().out.splitlines())
+
+
+def test_attention_softmax_matches_jax_and_keeps_only_its_output(capsys):
+    rng = np.random.default_rng(0)
+    scores = jnp.asarray(rng.normal(size=(3, 5)) * 4, jnp.float32)
+    scores = scores.at[0, 3:].set(_MASKED).at[2].set(_MASKED)  # masked keys; a masked row
+    values = jnp.asarray(rng.normal(size=(5, 4)), jnp.float32)
+
+    def loss(fn):
+        return lambda s, v: (fn(s) @ v).sum()
+
+    np.testing.assert_allclose(softmax(scores), jax.nn.softmax(scores), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(softmax(scores)[2], np.full(5, 0.2), rtol=1e-6)
+    ours = jax.grad(loss(softmax), argnums=(0, 1))(scores, values)
+    reference = jax.grad(loss(jax.nn.softmax), argnums=(0, 1))(scores, values)
+    for a, b in zip(ours, reference, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    # The probabilities and the values, nothing else (jax.nn.softmax, by default, also keeps
+    # the exponentials and their sums).
+    assert saved_shapes(capsys, loss(softmax), scores, values) == ["f32[3,5]", "f32[5,4]"]
+
+
+def test_swiglu_recomputes_its_intermediates_in_the_backward_pass(capsys):
+    rng = np.random.default_rng(1)
+    gate, up = (jnp.asarray(rng.normal(size=(3, 6)) * 3, jnp.float32) for _ in range(2))
+    down = jnp.asarray(rng.normal(size=(6, 4)), jnp.float32)
+
+    def loss(fn):
+        return lambda g, u, w: (fn(g, u) @ w).sum()
+
+    def plain(g, u):
+        return jax.nn.silu(g) * u
+
+    np.testing.assert_array_equal(swiglu(gate, up), plain(gate, up))
+    ours = jax.grad(loss(swiglu), argnums=(0, 1, 2))(gate, up, down)
+    reference = jax.grad(loss(plain), argnums=(0, 1, 2))(gate, up, down)
+    for a, b in zip(ours, reference, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    # gate, up and the product (the down projection's input), not silu's intermediates.
+    assert saved_shapes(capsys, loss(swiglu), gate, up, down) == ["f32[3,6]"] * 3 + ["f32[6,4]"]
+    assert saved_shapes(capsys, loss(plain), gate, up, down).count("f32[3,6]") > 3
+
+
+def test_rms_norm_recomputes_the_normalised_input_in_the_backward_pass(capsys):
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.normal(size=(3, 6)) * 2, jnp.float32)
+    scale = jnp.asarray(rng.normal(size=(6,)), jnp.float32)
+    weight = jnp.asarray(rng.normal(size=(6, 4)), jnp.float32)
+    expected = x / np.sqrt((np.asarray(x) ** 2).mean(-1, keepdims=True) + 1e-6) * scale
+    np.testing.assert_allclose(rms_norm(x, scale, 1e-6), expected, rtol=1e-6, atol=1e-6)
+
+    def loss(x, scale, weight):
+        return (rms_norm(x, scale, 1e-6) @ weight).sum()
+
+    def unnormalised_loss(x, scale, weight):  # the same function, written out
+        rms = jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
+        return (x / rms * scale @ weight).sum()
+
+    ours = jax.grad(loss, argnums=(0, 1, 2))(x, scale, weight)
+    reference = jax.grad(unnormalised_loss, argnums=(0, 1, 2))(x, scale, weight)
+    for a, b in zip(ours, reference, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    # x, the scale, the weight and the product's input: nothing of the normalisation itself.
+    assert saved_shapes(capsys, loss, x, scale, weight) == [
+        "f32[3,6]",
+        "f32[3,6]",
+        "f32[6,4]",
+        "f32[6]",
+    ]
 
 
 def test_scanned_and_unrolled_layers_agree(monkeypatch):
