@@ -437,24 +437,40 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 def project(x: jax.Array, kernel: jax.Array, contract: int = 1) -> jax.Array:
-    """x's last `contract` axes times the kernel's first ones: [..., *I] x [*I, *O] -> [..., *O].
+    """x's last `contract` axes times the kernel's first ones: [..., *I] x [*I, *O] -> [..., *O]."""
+    return project_each(x, (kernel,), contract)[0]
 
-    Computed as one 2D matmul of reshaped operands rather than an einsum over [B, T, ...]:
-    the result is the same, but XLA:CPU then lays out the backward pass's weight-gradient
-    products without transposed copies of the [B*T, M] activations (in a profile of the
-    SmolLM2-135M benchmark update, the einsum form spent ~10 s in such copies; this one ~1.5).
-    A kernel in another dtype than x (bf16 weights for f32 activations, `with_matmul_weights`)
-    multiplies in the kernel's dtype and accumulates in f32 (`mixed_matmul`).
+
+def project_each(
+    x: jax.Array, kernels: tuple[jax.Array, ...], contract: int = 1
+) -> tuple[jax.Array, ...]:
+    """`project(x, kernel, contract)` for each kernel, from one [N, I] reshape of x.
+
+    x is multiplied as a 2D matrix rather than by an einsum over [B, T, ...]: the result is
+    the same, but XLA:CPU then lays out the backward pass's weight-gradient products without
+    transposed copies of the [B*T, M] activations (in a profile of the SmolLM2-135M benchmark
+    update, the einsum form spent ~10 s in such copies; this one ~1.5). The kernels are
+    contracted as they are, [*I, *O], not reshaped: the backward pass then keeps the shared
+    2D x once and no reshaped copy of a kernel (each would be another [L, ...] buffer in a
+    scanned layer stack). A kernel in another dtype than x (bf16 weights for f32
+    activations, `with_matmul_weights`) multiplies in the kernel's dtype and accumulates in
+    f32 (`mixed_matmul`).
     """
-    inner, outer = kernel.shape[:contract], kernel.shape[contract:]
+    inner = kernels[0].shape[:contract]
     lead = x.shape[: x.ndim - contract]
     rows = x.reshape(math.prod(lead), math.prod(inner))  # [N, I]
-    columns = kernel.reshape(math.prod(inner), -1)  # [I, O]
-    if kernel.dtype == x.dtype:
-        flat = rows @ columns
-    else:
-        flat = mixed_matmul(rows, columns).astype(x.dtype)
-    return flat.reshape(*lead, *outer)
+    products = []
+    for kernel in kernels:
+        outer = kernel.shape[contract:]
+        if kernel.dtype == x.dtype:
+            operand = rows.reshape(rows.shape[0], *inner)  # [N, *I]: free
+            dims = ((tuple(range(1, contract + 1)), tuple(range(contract))), ((), ()))
+            flat = jax.lax.dot_general(operand, kernel, dims)  # [N, *O]
+        else:
+            columns = kernel.reshape(math.prod(inner), -1)  # [I, O]
+            flat = mixed_matmul(rows, columns).astype(x.dtype)
+        products.append(flat.reshape(*lead, *outer))
+    return tuple(products)
 
 
 @jax.custom_vjp
@@ -508,9 +524,8 @@ def attention_inputs(config, params, x, cos, sin):
     pre-norm, projections, optional biases and qk-norm, RoPE."""
     eps = config.rms_norm_eps
     h = rms_norm(x, params["attn_norm"], eps)
-    q = project(h, params["q_kernel"])  # [B, T, H, D]
-    k = project(h, params["k_kernel"])  # [B, T, K, D]
-    v = project(h, params["v_kernel"])  # [B, T, K, D]
+    kernels = (params["q_kernel"], params["k_kernel"], params["v_kernel"])
+    q, k, v = project_each(h, kernels)  # [B, T, H, D], [B, T, K, D], [B, T, K, D]
     if config.qkv_bias:
         q, k, v = q + params["q_bias"], k + params["k_bias"], v + params["v_bias"]
     if config.qk_norm:
@@ -525,8 +540,7 @@ def finish_layer(config, params, x, attention):
     x + SwiGLU(norm(x))."""
     x = x + project(attention, params["o_kernel"], contract=2)  # [B, T, E]
     h = rms_norm(x, params["mlp_norm"], config.rms_norm_eps)
-    gate = project(h, params["gate_kernel"])  # [B, T, M]
-    up = project(h, params["up_kernel"])
+    gate, up = project_each(h, (params["gate_kernel"], params["up_kernel"]))  # [B, T, M] each
     hidden = constrain(swiglu(gate, up), ("batch", "length", "mlp"))
     x = x + project(hidden, params["down_kernel"])
     return constrain(x, ("batch", "length", "embed"))

@@ -18,10 +18,13 @@ from models.hf import from_pretrained
 from models.transformer import (
     _MASKED,
     Transformer,
+    attention_inputs,
     forward,
     init_cache,
     inverse_frequencies,
+    project_each,
     rms_norm,
+    rope_tables,
     softmax,
     swiglu,
 )
@@ -221,6 +224,30 @@ def test_rms_norm_recomputes_the_normalised_input_in_the_backward_pass(capsys):
         "f32[6,4]",
         "f32[6]",
     ]
+
+
+def test_projections_share_one_reshape_of_their_input_and_keep_kernels_as_they_are(capsys):
+    config = preset("tiny")  # E = 64, H = 4, K = 2, D = 16
+    params = Transformer(config, rngs=nnx.Rngs(0)).params()
+    layer = {name: value[0] for name, value in params["layers"].items()}
+    x = jax.random.normal(jax.random.key(0), (2, 7, config.hidden_size))
+    q, o = layer["q_kernel"], layer["o_kernel"]  # [E, H, D], [H, D, E]
+    (projected,) = project_each(x, (q,))
+    np.testing.assert_allclose(projected, jnp.einsum("bte,ehd->bthd", x, q), rtol=1e-5, atol=1e-5)
+    (back,) = project_each(projected, (o,), contract=2)
+    np.testing.assert_allclose(
+        back, jnp.einsum("bthd,hde->bte", projected, o), rtol=1e-5, atol=1e-5
+    )
+
+    cos, sin = rope_tables(config, jnp.broadcast_to(jnp.arange(7), (2, 7)))
+
+    def loss(layer, x):
+        return sum(a.sum() for a in attention_inputs(config, layer, x, cos, sin))
+
+    saved = saved_shapes(capsys, loss, layer, x)
+    assert saved.count("f32[14,64]") == 1  # the normed input, once for q, k and v
+    assert saved.count("f32[64,4,16]") == 1 and saved.count("f32[64,2,16]") == 2  # the kernels
+    assert "f32[64,64]" not in saved and "f32[64,32]" not in saved  # no reshaped kernels
 
 
 def test_scanned_and_unrolled_layers_agree(monkeypatch):
