@@ -458,18 +458,17 @@ def project_each(
     """
     inner = kernels[0].shape[:contract]
     lead = x.shape[: x.ndim - contract]
-    rows = x.reshape(math.prod(lead), math.prod(inner))  # [N, I]
+    rows = x.reshape(math.prod(lead), *inner)  # [N, *I]: one value for every kernel
+    dims = ((tuple(range(1, contract + 1)), tuple(range(contract))), ((), ()))
     products = []
     for kernel in kernels:
-        outer = kernel.shape[contract:]
         if kernel.dtype == x.dtype:
-            operand = rows.reshape(rows.shape[0], *inner)  # [N, *I]: free
-            dims = ((tuple(range(1, contract + 1)), tuple(range(contract))), ((), ()))
-            flat = jax.lax.dot_general(operand, kernel, dims)  # [N, *O]
-        else:
-            columns = kernel.reshape(math.prod(inner), -1)  # [I, O]
-            flat = mixed_matmul(rows, columns).astype(x.dtype)
-        products.append(flat.reshape(*lead, *outer))
+            flat = jax.lax.dot_general(rows, kernel, dims)  # [N, *O]
+        else:  # 2D operands: [N, I] x [I, O]
+            flat = mixed_matmul(
+                rows.reshape(len(rows), -1), kernel.reshape(math.prod(inner), -1)
+            ).astype(x.dtype)
+        products.append(flat.reshape(*lead, *kernel.shape[contract:]))
     return tuple(products)
 
 
