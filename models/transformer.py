@@ -521,6 +521,13 @@ def row_major(x: jax.Array) -> jax.Array:
 def attention_inputs(config, params, x, cos, sin):
     """Queries [B, T, H, D] and keys, values [B, K, T, D] of one layer for x [B, T, E]:
     pre-norm, projections, optional biases and qk-norm, RoPE."""
+    q, k, v = token_major_attention_inputs(config, params, x, cos, sin)
+    return q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+
+
+def token_major_attention_inputs(config, params, x, cos, sin):
+    """`attention_inputs` with keys and values left token-major, [B, T, K, D], for callers
+    that split the tokens before attention (`models.group_forward`)."""
     eps = config.rms_norm_eps
     h = rms_norm(x, params["attn_norm"], eps)
     kernels = (params["q_kernel"], params["k_kernel"], params["v_kernel"])
@@ -530,8 +537,7 @@ def attention_inputs(config, params, x, cos, sin):
     if config.qk_norm:
         q = rms_norm(q, params["q_norm"], eps)
         k = rms_norm(k, params["k_norm"], eps)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    return q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
 def finish_layer(config, params, x, attention):
