@@ -157,22 +157,29 @@ def sample_tokens(
     return tokens.astype(jnp.int32), chosen
 
 
-# Completions at least this long decode in phases of growing attention windows.
+# Completions at least this long decode in phases of growing attention windows, provided
+# their completion caches (all rows and layers, keys and values) hold at least
+# PHASED_DECODE_MIN_CACHE_BYTES: below that, attention is too small a share of a decode step
+# to repay compiling a copy of the step per phase (docs/benchmarks.md: the compare workload's
+# 94 MB cache sampled 6% faster in four phases; the tests' tiny model's 1 MB no faster, for
+# 1.2-2.2 s more compile).
 PHASED_DECODE_MIN_TOKENS = 64
+PHASED_DECODE_MIN_CACHE_BYTES = 16 * 2**20
 _PHASES = 4
 _PHASE_MULTIPLE = 8  # phase ends are multiples of this many completion slots
 
 
-def attention_phases(max_new_tokens: int) -> list[int]:
+def attention_phases(max_new_tokens: int, cache_bytes: int | None = None) -> list[int]:
     """Ends of the decode loop's phases, in completion slots; the last is `max_new_tokens`.
 
     A decode step attends to every slot of its completion buffers, written or not; with the
     loop in four phases whose buffers hold only the slots written by the phase's end, a
     rollout reads about 5/8 of the slots one phase would. Each phase compiles its own copy
-    of the decode step, so short completions, where attention is a small part of a step,
-    decode in one phase.
+    of the decode step, so short completions and small completion caches (`cache_bytes`,
+    when given), where attention is a small part of a step, decode in one phase.
     """
-    if max_new_tokens < PHASED_DECODE_MIN_TOKENS:
+    small_cache = cache_bytes is not None and cache_bytes < PHASED_DECODE_MIN_CACHE_BYTES
+    if max_new_tokens < PHASED_DECODE_MIN_TOKENS or small_cache:
         return [max_new_tokens]
     size = -(-max_new_tokens // _PHASES)
     size = -(-size // _PHASE_MULTIPLE) * _PHASE_MULTIPLE
@@ -201,9 +208,10 @@ def rollout(
 
     Each prompt is prefilled once (cost independent of G) and its KV cache is shared by its G
     rows, never copied; only its last logits are repeated G times. The decode loop runs on
-    device until every row has emitted a stop token or N tokens. From N = 64 it runs in four
-    phases whose completion buffers grow (`attention_phases`), so that attention reads about
-    5/8 of the cache slots it would read in one phase.
+    device until every row has emitted a stop token or N tokens. From N = 64 (and a
+    completion cache of 16 MiB) it runs in four phases whose completion buffers grow
+    (`attention_phases`), so that attention reads about 5/8 of the cache slots it would read
+    in one phase.
 
     With `sampling.weights_dtype="bfloat16"` the weight matrices are cast once per rollout
     (`models.transformer.with_matmul_weights`) and every product accumulates in f32: decoding
@@ -216,7 +224,10 @@ def rollout(
         params = with_matmul_weights(params, jnp.dtype(sampling.weights_dtype))
 
     # Prefill: P rows; the G rows of a prompt share its cache and start from its last logits.
-    phases = attention_phases(steps)
+    cache_bytes = (  # the completion caches' keys and values, all rows and layers
+        2 * rows * steps * model_config.num_layers * model_config.num_kv_heads
+    ) * (model_config.head_dim * params["embed"].dtype.itemsize)
+    phases = attention_phases(steps, cache_bytes)
     hidden, cache = prefill(
         params,
         prompt_ids,

@@ -225,6 +225,10 @@ def test_attention_phases():
     assert attention_phases(256) == [64, 128, 192, 256]
     assert attention_phases(300) == [80, 160, 240, 300]  # windows of ceil(300 / 4) -> 80 slots
     assert attention_phases(257) == [72, 144, 216, 257]
+    # A small completion cache decodes in one phase; from the threshold on, in four.
+    threshold = sampling_module.PHASED_DECODE_MIN_CACHE_BYTES
+    assert attention_phases(64, cache_bytes=threshold - 1) == [64]
+    assert attention_phases(64, cache_bytes=threshold) == [16, 32, 48, 64]
 
 
 def test_phased_decode_samples_exactly_what_one_phase_samples(hf_checkpoint, monkeypatch):
@@ -238,7 +242,8 @@ def test_phased_decode_samples_exactly_what_one_phase_samples(hf_checkpoint, mon
     results, phases, loops = {}, {}, {}
     for name, threshold in (("phased", 1), ("one phase", 10**6)):
         monkeypatch.setattr(sampling_module, "PHASED_DECODE_MIN_TOKENS", threshold)
-        phases[name] = attention_phases(24)
+        monkeypatch.setattr(sampling_module, "PHASED_DECODE_MIN_CACHE_BYTES", 0)
+        phases[name] = attention_phases(24, cache_bytes=1)
         # A new function, so that jit traces it anew (its trace cache is keyed by function).
         program = jax.jit(
             lambda *a, **k: rollout.__wrapped__(*a, **k), static_argnames=tuple(kwargs)
