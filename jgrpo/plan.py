@@ -29,6 +29,7 @@ import numpy as np
 from jgrpo.config import ConfigError, load_config
 from jgrpo.sharding import abstract_arrays, replicated, rules_context
 from jgrpo.update import UpdateConfig
+from models.group_decode import cache_bytes_per_slot
 
 GIB = 1024**3
 
@@ -159,15 +160,11 @@ def plan_memory(trainer, micro_batch_candidates: Sequence[int] = ()) -> MemoryPl
     per_minibatch = rows_per_minibatch(c)
     micro_rows = per_minibatch // c.algorithm.grad_accumulation
     shard_rows = mesh.shape["data"] * mesh.shape["fsdp"]
-    dtype_bytes = np.dtype(jnp.dtype(c.model.dtype)).itemsize
     local_prompts, local_rows = prompts // shard_rows, rows // shard_rows
-    kv_heads = mc.num_kv_heads
-    if kv_heads % mesh.shape["tensor"] == 0:
-        kv_heads //= mesh.shape["tensor"]
-    kv_cache = (
-        2 * mc.num_layers * kv_heads * mc.head_dim * dtype_bytes
-        * (local_prompts * length + local_rows * new_tokens)
-    )  # fmt: skip
+    slot_bytes = cache_bytes_per_slot(mc, c.model.dtype)
+    if mc.num_kv_heads % mesh.shape["tensor"] == 0:  # kv heads split over the tensor axis
+        slot_bytes //= mesh.shape["tensor"]
+    kv_cache = slot_bytes * (local_prompts * length + local_rows * new_tokens)
     reward_params, reward_scratch = reward_model_memory(c, mesh)
     plan = MemoryPlan(
         mesh=dict(mesh.shape),

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from models.config import ModelConfig
 from models.group_decode import (
+    cache_bytes_per_slot,
     decode_layers,
     decode_logits,
     decode_step,
@@ -224,10 +225,8 @@ def rollout(
         params = with_matmul_weights(params, jnp.dtype(sampling.weights_dtype))
 
     # Prefill: P rows; the G rows of a prompt share its cache and start from its last logits.
-    cache_bytes = (  # the completion caches' keys and values, all rows and layers
-        2 * rows * steps * model_config.num_layers * model_config.num_kv_heads
-    ) * (model_config.head_dim * params["embed"].dtype.itemsize)
-    phases = attention_phases(steps, cache_bytes)
+    cache_bytes = rows * steps * cache_bytes_per_slot(model_config, params["embed"].dtype)
+    phases = attention_phases(steps, cache_bytes)  # the completion caches' size decides
     hidden, cache = prefill(
         params,
         prompt_ids,

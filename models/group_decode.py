@@ -53,6 +53,11 @@ class GroupCache(NamedTuple):
     completion_v: tuple[jax.Array, ...]  # L x [P*G, K, N, D]
 
 
+def cache_bytes_per_slot(config: ModelConfig, dtype) -> int:
+    """Bytes of one token slot of a row's KV cache: keys and values of every layer."""
+    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * jnp.dtype(dtype).itemsize
+
+
 def decode_layers(params: dict, config: ModelConfig) -> list[dict]:
     """Each layer's parameters as `decode_step` reads them: weight matrices as [out, in]
     (row-major on CPU, `row_major`), q/k/v stacked into one and gate/up into another, norm

@@ -459,15 +459,14 @@ def project_each(
     inner = kernels[0].shape[:contract]
     lead = x.shape[: x.ndim - contract]
     rows = x.reshape(math.prod(lead), *inner)  # [N, *I]: one value for every kernel
+    matrix = rows.reshape(len(rows), -1)  # [N, I]: the same value, for `mixed_matmul`
     dims = ((tuple(range(1, contract + 1)), tuple(range(contract))), ((), ()))
     products = []
     for kernel in kernels:
         if kernel.dtype == x.dtype:
             flat = jax.lax.dot_general(rows, kernel, dims)  # [N, *O]
         else:  # 2D operands: [N, I] x [I, O]
-            flat = mixed_matmul(
-                rows.reshape(len(rows), -1), kernel.reshape(math.prod(inner), -1)
-            ).astype(x.dtype)
+            flat = mixed_matmul(matrix, kernel.reshape(matrix.shape[1], -1)).astype(x.dtype)
         products.append(flat.reshape(*lead, *kernel.shape[contract:]))
     return tuple(products)
 
