@@ -19,9 +19,11 @@ import functools
 import math
 from typing import NamedTuple
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jgrpo.sharding import shard_count
 from models.config import ModelConfig
 from models.group_decode import (
     cache_bytes_per_slot,
@@ -159,9 +161,9 @@ def sample_tokens(
 
 
 # Completions at least this long decode in phases of growing attention windows, provided
-# their completion caches (all rows and layers, keys and values) hold at least
-# PHASED_DECODE_MIN_CACHE_BYTES: below that, attention is too small a share of a decode step
-# to repay compiling a copy of the step per phase (docs/benchmarks.md: the compare workload's
+# the completion caches one device holds (its rows' keys and values, every layer) take at
+# least PHASED_DECODE_MIN_CACHE_BYTES: below that, attention is too small a share of a decode
+# step to repay compiling a copy of the step per phase (docs/benchmarks.md: the compare workload's
 # 94 MB cache sampled 6% faster in four phases; the tests' tiny model's 1 MB no faster, for
 # 1.2-2.2 s more compile).
 PHASED_DECODE_MIN_TOKENS = 64
@@ -187,6 +189,18 @@ def attention_phases(max_new_tokens: int, cache_bytes: int | None = None) -> lis
     return [*range(size, max_new_tokens, size), max_new_tokens]
 
 
+def completion_cache_bytes(rows: int, slots: int, config: ModelConfig, dtype) -> int:
+    """Bytes of the completion caches (`rows` rows of `slots` slots, every layer's keys and
+    values) that one device holds. Traced under a mesh and logical rules
+    (`jgrpo.sharding.rules_context`) the caches split as `models.group_decode` places them:
+    rows over the batch axes and kv heads over `tensor`, where those axes divide them."""
+    total = rows * slots * cache_bytes_per_slot(config, dtype)
+    mesh, rules = jax.sharding.get_abstract_mesh(), nn.get_logical_axis_rules()
+    if mesh.empty or not rules:
+        return total
+    return total // shard_count((rows, config.num_kv_heads), ("batch", "kv_heads"), mesh, rules)
+
+
 @functools.partial(jax.jit, static_argnames=("model_config", "num_generations", "sampling"))
 def rollout(
     params: dict,
@@ -209,10 +223,10 @@ def rollout(
 
     Each prompt is prefilled once (cost independent of G) and its KV cache is shared by its G
     rows, never copied; only its last logits are repeated G times. The decode loop runs on
-    device until every row has emitted a stop token or N tokens. From N = 64 (and a
-    completion cache of 16 MiB) it runs in four phases whose completion buffers grow
-    (`attention_phases`), so that attention reads about 5/8 of the cache slots it would read
-    in one phase.
+    device until every row has emitted a stop token or N tokens. From N = 64 (and 16 MiB of
+    completion caches on a device, `completion_cache_bytes`) it runs in four phases whose
+    completion buffers grow (`attention_phases`), so that attention reads about 5/8 of the
+    cache slots it would read in one phase.
 
     With `sampling.weights_dtype="bfloat16"` the weight matrices are cast once per rollout
     (`models.transformer.with_matmul_weights`) and every product accumulates in f32: decoding
@@ -225,8 +239,8 @@ def rollout(
         params = with_matmul_weights(params, jnp.dtype(sampling.weights_dtype))
 
     # Prefill: P rows; the G rows of a prompt share its cache and start from its last logits.
-    cache_bytes = rows * steps * cache_bytes_per_slot(model_config, params["embed"].dtype)
-    phases = attention_phases(steps, cache_bytes)  # the completion caches' size decides
+    cache_bytes = completion_cache_bytes(rows, steps, model_config, params["embed"].dtype)
+    phases = attention_phases(steps, cache_bytes)  # one device's completion caches decide
     hidden, cache = prefill(
         params,
         prompt_ids,

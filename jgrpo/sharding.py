@@ -109,6 +109,14 @@ def logical_spec(
     return PartitionSpec(*fitted)
 
 
+def shard_count(shape: Sequence[int], axes: Sequence[str | None], mesh, rules=LOGICAL_RULES) -> int:
+    """Into how many pieces `logical_spec` cuts an array of `shape` with dimensions `axes`
+    (`mesh`: a Mesh or the abstract mesh of a trace): its bytes per device are the total
+    divided by this."""
+    spec = logical_spec(shape, axes, mesh, rules)
+    return math.prod(mesh.shape[axis] for entry in spec for axis in _mesh_axes(entry))
+
+
 def logical_sharding(
     shape: Sequence[int], axes: Sequence[str | None], mesh: Mesh, rules=LOGICAL_RULES
 ) -> NamedSharding:

@@ -1,5 +1,7 @@
 """The rollout engine: parity with transformers' generate, log-probs, filters, stops, compiles."""
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,7 +12,16 @@ from tiny_hf import VOCAB
 import jgrpo
 from jgrpo import sampling as sampling_module
 from jgrpo.generation import bucket_length, pad_prompts
-from jgrpo.sampling import SamplingConfig, attention_phases, categorical, filter_logits, rollout
+from jgrpo.sampling import (
+    SamplingConfig,
+    attention_phases,
+    categorical,
+    completion_cache_bytes,
+    filter_logits,
+    rollout,
+)
+from jgrpo.sharding import make_mesh, rules_context
+from models.group_decode import cache_bytes_per_slot
 from models.hf import from_pretrained
 from models.transformer import forward, with_matmul_weights
 
@@ -229,6 +240,40 @@ def test_attention_phases():
     threshold = sampling_module.PHASED_DECODE_MIN_CACHE_BYTES
     assert attention_phases(64, cache_bytes=threshold - 1) == [64]
     assert attention_phases(64, cache_bytes=threshold) == [16, 32, 48, 64]
+
+
+def test_the_phase_rule_weighs_the_completion_caches_one_device_holds(hf_checkpoint, monkeypatch):
+    """On a mesh a device holds a share of the completion caches (rows split over data x fsdp,
+    the 2 kv heads over tensor): the rule for phased decoding weighs that share."""
+    model = from_pretrained(hf_checkpoint("qwen2")[0])
+    config = model.config
+    rows, slots = 16, 24
+    whole = rows * slots * cache_bytes_per_slot(config, jnp.float32)
+    assert whole == rows * slots * 2 * 2 * 2 * 16 * 4  # k and v, 2 layers, 2 kv heads of 16, f32
+    assert completion_cache_bytes(rows, slots, config, jnp.float32) == whole  # no mesh
+    shares = {(8, 1, 1): 8, (1, 8, 1): 8, (2, 2, 2): 8, (1, 1, 8): 1, (1, 4, 2): 8, (1, 2, 4): 2}
+    for shape, share in shares.items():  # tensor = 8 or 4 does not divide 2 kv heads
+        with rules_context(make_mesh(shape)):
+            assert completion_cache_bytes(rows, slots, config, jnp.float32) == whole // share
+
+    # Threshold between one device's share and the whole: one phase on data = 8, three alone.
+    monkeypatch.setattr(sampling_module, "PHASED_DECODE_MIN_TOKENS", 1)
+    monkeypatch.setattr(sampling_module, "PHASED_DECODE_MIN_CACHE_BYTES", whole // 2)
+    ids, mask = prompts(lengths=[5, 9, 3, 4, 6, 7, 2, 8])  # 8 prompts x G = 2: 16 rows
+    args = (model.params(), jnp.asarray(ids), jnp.asarray(mask), jax.random.key(0))
+    kwargs = dict(
+        model_config=config,
+        num_generations=2,
+        sampling=SamplingConfig(max_new_tokens=slots, stop_token_ids=(EOS,)),
+    )
+    loops = {}
+    for name, mesh in (("one device", None), ("data=8", make_mesh((8, 1, 1)))):
+        program = jax.jit(  # a new function: jit traces it anew
+            lambda *a, **k: rollout.__wrapped__(*a, **k), static_argnames=tuple(kwargs)
+        )
+        with rules_context(mesh) if mesh else contextlib.nullcontext():
+            loops[name] = program.lower(*args, **kwargs).as_text().count("stablehlo.while")
+    assert loops["one device"] == loops["data=8"] + 2  # decode loops ending at 8, 16, 24 slots
 
 
 def test_phased_decode_samples_exactly_what_one_phase_samples(hf_checkpoint, monkeypatch):
