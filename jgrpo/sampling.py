@@ -34,7 +34,7 @@ from models.group_decode import (
     prefill,
     unembedding_rows,
 )
-from models.transformer import logits_from_hidden, with_matmul_weights
+from models.transformer import logits_from_hidden, rope_tables, with_matmul_weights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,6 +252,8 @@ def rollout(
     next_logits = jnp.repeat(logits_from_hidden(params, hidden), num_generations, axis=0)
     prompt_lengths = jnp.repeat(prompt_mask.astype(jnp.int32).sum(-1), num_generations)  # [P*G]
     layers = decode_layers(params, model_config)
+    # RoPE tables of every position a row reaches (prompt slots, then completion slots).
+    rope = rope_tables(model_config, jnp.arange(prompt_ids.shape[1] + steps))  # [Lp+N, D/2] x2
     unembedding = unembedding_rows(params)  # [V, E]
 
     # All the randomness up front: the loop body then holds no random-bit generator.
@@ -297,6 +299,7 @@ def rollout(
             prompt_lengths + slot,
             slot,
             prompt_mask,
+            rope=rope,
             config=model_config,
         )
         logits = decode_logits(unembedding, hidden)  # [P*G, V]

@@ -36,7 +36,6 @@ from models.transformer import (
     embed_tokens,
     forward,
     rms_norm,
-    rope_tables,
     row_major,
 )
 
@@ -178,11 +177,18 @@ def decode_step(
     slot: jax.Array,  # int32 scalar: the completion slot the tokens are written to
     prompt_mask: jax.Array,  # [P, Lp]
     *,
+    rope: tuple[jax.Array, jax.Array],  # cos, sin f32[T, D/2] of positions 0..T-1
     config: ModelConfig,
 ) -> tuple[jax.Array, GroupCache]:
     """Feeds one token per row; returns the final hidden states, feature-major [E, P*G] (for
     `decode_logits`), and the cache with completion slot `slot` written. Rows attend to their
     prompt and completion slots <= slot.
+
+    `rope` holds the RoPE tables of every position the decode reaches,
+    `rope_tables(config, jnp.arange(T))`, computed once before the decode loop; the step
+    looks its rows' positions up. Computed in the step instead, XLA:CPU fuses the sine and
+    cosine into every layer's q and k rotation and evaluates them per head (3% of a decode
+    step at the benchmark workload, docs/benchmarks.md).
 
     The residual stream runs feature-major, x^T [E, B], so that every projection is
     W^T [out, in] @ x^T (`decode_layers` says why); attention runs row-major as in the
@@ -192,7 +198,7 @@ def decode_step(
     rows = tokens.shape[0]
     heads, kv_heads, dim = config.num_heads, config.num_kv_heads, config.head_dim
     completion_mask = jnp.arange(cache.completion_v[0].shape[2]) <= slot  # [N]
-    cos, sin = rope_tables(config, positions[:, None])  # [B, 1, D/2]
+    cos, sin = (jnp.take(table, positions, axis=0)[:, None] for table in rope)  # [B, 1, D/2]
     x = embed_tokens(params["embed"], tokens)  # [B, E]
     x = _feature_major(row_major(x.T))  # [E, B]
     new_k, new_v = [], []

@@ -19,6 +19,7 @@ from models.transformer import (
     forward,
     grouped_query_attention,
     logits_from_hidden,
+    rope_tables,
     with_matmul_weights,
 )
 
@@ -84,6 +85,7 @@ def test_prefill_then_group_decode_equals_full_forward(family, matmul_dtype, hf_
     layers, unembedding = decode_layers(params, config), unembedding_rows(params)
     step = jax.jit(decode_step, static_argnames="config")
     lengths = np.repeat(prompt_mask.sum(-1), groups)
+    rope = rope_tables(config, jnp.arange(length + new_tokens))  # every position reached
     for slot in range(new_tokens - 1):
         hidden, cache = step(
             params,
@@ -93,6 +95,7 @@ def test_prefill_then_group_decode_equals_full_forward(family, matmul_dtype, hf_
             jnp.asarray(lengths + slot),
             jnp.int32(slot),
             jnp.asarray(prompt_mask),
+            rope=rope,
             config=config,
         )
         steps.append(np.asarray(decode_logits(unembedding, hidden)))
@@ -118,8 +121,8 @@ def test_decode_products_read_the_weights_as_their_left_operand(hf_checkpoint):
     XLA:CPU does not repack the weights on every call (`decode_layers`). A transposed operand
     would also have no bf16 kernel on CPU. (llama3: an untied lm_head.)"""
 
-    def step_and_logits(params, layers, unembedding, cache, *inputs, config):
-        hidden, cache = decode_step(params, layers, cache, *inputs, config=config)
+    def step_and_logits(params, layers, unembedding, cache, *inputs, rope, config):
+        hidden, cache = decode_step(params, layers, cache, *inputs, rope=rope, config=config)
         return decode_logits(unembedding, hidden), cache
 
     model = from_pretrained(hf_checkpoint("llama3")[0])
@@ -147,6 +150,7 @@ def test_decode_products_read_the_weights_as_their_left_operand(hf_checkpoint):
             jnp.full((rows,), 6, jnp.int32),
             jnp.int32(0),
             prompt_mask,
+            rope=rope_tables(config, jnp.arange(6 + slots)),
             config=config,
         )
         .compile()

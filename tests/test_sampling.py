@@ -1,6 +1,7 @@
 """The rollout engine: parity with transformers' generate, log-probs, filters, stops, compiles."""
 
 import contextlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -303,6 +304,44 @@ def test_phased_decode_samples_exactly_what_one_phase_samples(hf_checkpoint, mon
     np.testing.assert_allclose(phased.logprobs, single.logprobs, rtol=0, atol=1e-6)
     lengths = np.asarray(single.lengths)
     assert lengths.max() > 16 and lengths.min() < 24  # rows reached the last phase; some stopped
+
+
+def loop_computations(hlo: str) -> str:
+    """The text of every computation that a compiled program's while loops run (their bodies
+    and conditions, and the fusions and calls in them)."""
+    computations = dict(re.findall(r"^(?:ENTRY )?%([\w.\-]+) \(.*?\n(.*?)\n\}", hlo, re.S | re.M))
+    called = r"(?:calls|to_apply|body|condition)=%([\w.\-]+)"
+    pending, seen = re.findall(r"(?:body|condition)=%([\w.\-]+)", hlo), set()
+    while pending:
+        name = pending.pop()
+        if name not in seen:
+            seen.add(name)
+            pending += re.findall(called, computations[name])
+    return "\n".join(computations[name] for name in seen)
+
+
+def test_the_decode_loop_evaluates_no_sine_or_cosine(hf_checkpoint):
+    """RoPE's tables are built once before the decode loop (`decode_step`'s `rope`): computed
+    in the step, XLA:CPU fused their sines and cosines into each layer's rotations instead."""
+    model = from_pretrained(hf_checkpoint("qwen2")[0])
+    ids, mask = prompts()
+    hlo = (
+        rollout.lower(
+            model.params(),
+            jnp.asarray(ids),
+            jnp.asarray(mask),
+            jax.random.key(0),
+            model_config=model.config,
+            num_generations=2,
+            sampling=SamplingConfig(max_new_tokens=8, stop_token_ids=(EOS,)),
+        )
+        .compile()
+        .as_text()
+    )
+    loop = loop_computations(hlo)
+    assert " dot(" in loop  # the decode step runs in the loop
+    assert "cosine(" in hlo  # the prefill and the tables
+    assert "cosine(" not in loop and " sine(" not in loop
 
 
 def test_randomness_is_a_function_of_the_key(hf_checkpoint):
