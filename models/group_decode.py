@@ -187,7 +187,7 @@ def decode_step(
     `rope` holds the RoPE tables of every position the decode reaches,
     `rope_tables(config, jnp.arange(T))`, computed once before the decode loop; the step
     looks its rows' positions up. Computed in the step instead, XLA:CPU fuses the sine and
-    cosine into every layer's q and k rotation and evaluates them per head (3% of a decode
+    cosine into every layer's q and k rotation and evaluates them per head (4% of a decode
     step at the benchmark workload, docs/benchmarks.md).
 
     The residual stream runs feature-major, x^T [E, B], so that every projection is
