@@ -27,9 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jgrpo.config import ConfigError, load_config
+from jgrpo.sampling import kv_cache_bytes
 from jgrpo.sharding import abstract_arrays, replicated, rules_context
 from jgrpo.update import UpdateConfig
-from models.group_decode import cache_bytes_per_slot
 
 GIB = 1024**3
 
@@ -160,11 +160,9 @@ def plan_memory(trainer, micro_batch_candidates: Sequence[int] = ()) -> MemoryPl
     per_minibatch = rows_per_minibatch(c)
     micro_rows = per_minibatch // c.algorithm.grad_accumulation
     shard_rows = mesh.shape["data"] * mesh.shape["fsdp"]
-    local_prompts, local_rows = prompts // shard_rows, rows // shard_rows
-    slot_bytes = cache_bytes_per_slot(mc, c.model.dtype)
-    if mc.num_kv_heads % mesh.shape["tensor"] == 0:  # kv heads split over the tensor axis
-        slot_bytes //= mesh.shape["tensor"]
-    kv_cache = slot_bytes * (local_prompts * length + local_rows * new_tokens)
+    with rules_context(mesh):  # one device's share of the prompt and completion caches
+        prompt_cache = kv_cache_bytes(prompts, length, mc, c.model.dtype)
+        kv_cache = prompt_cache + kv_cache_bytes(rows, new_tokens, mc, c.model.dtype)
     reward_params, reward_scratch = reward_model_memory(c, mesh)
     plan = MemoryPlan(
         mesh=dict(mesh.shape),

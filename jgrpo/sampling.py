@@ -189,11 +189,12 @@ def attention_phases(max_new_tokens: int, cache_bytes: int | None = None) -> lis
     return [*range(size, max_new_tokens, size), max_new_tokens]
 
 
-def completion_cache_bytes(rows: int, slots: int, config: ModelConfig, dtype) -> int:
-    """Bytes of the completion caches (`rows` rows of `slots` slots, every layer's keys and
-    values) that one device holds. Traced under a mesh and logical rules
-    (`jgrpo.sharding.rules_context`) the caches split as `models.group_decode` places them:
-    rows over the batch axes and kv heads over `tensor`, where those axes divide them."""
+def kv_cache_bytes(rows: int, slots: int, config: ModelConfig, dtype) -> int:
+    """Bytes of KV cache (`rows` rows of `slots` slots, every layer's keys and values) that
+    one device holds. Under a mesh and logical rules (`jgrpo.sharding.rules_context`) the
+    caches split as `models.group_decode` places them: rows over the batch axes and kv heads
+    over `tensor`, where those axes divide them. Used by the rollout (while tracing) and the
+    memory plan."""
     total = rows * slots * cache_bytes_per_slot(config, dtype)
     mesh, rules = jax.sharding.get_abstract_mesh(), nn.get_logical_axis_rules()
     if mesh.empty or not rules:
@@ -224,7 +225,7 @@ def rollout(
     Each prompt is prefilled once (cost independent of G) and its KV cache is shared by its G
     rows, never copied; only its last logits are repeated G times. The decode loop runs on
     device until every row has emitted a stop token or N tokens. From N = 64 (and 16 MiB of
-    completion caches on a device, `completion_cache_bytes`) it runs in four phases whose
+    completion caches on a device, `kv_cache_bytes`) it runs in four phases whose
     completion buffers grow (`attention_phases`), so that attention reads about 5/8 of the
     cache slots it would read in one phase.
 
@@ -239,7 +240,7 @@ def rollout(
         params = with_matmul_weights(params, jnp.dtype(sampling.weights_dtype))
 
     # Prefill: P rows; the G rows of a prompt share its cache and start from its last logits.
-    cache_bytes = completion_cache_bytes(rows, steps, model_config, params["embed"].dtype)
+    cache_bytes = kv_cache_bytes(rows, steps, model_config, params["embed"].dtype)
     phases = attention_phases(steps, cache_bytes)  # one device's completion caches decide
     hidden, cache = prefill(
         params,

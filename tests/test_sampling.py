@@ -17,8 +17,8 @@ from jgrpo.sampling import (
     SamplingConfig,
     attention_phases,
     categorical,
-    completion_cache_bytes,
     filter_logits,
+    kv_cache_bytes,
     rollout,
 )
 from jgrpo.sharding import make_mesh, rules_context
@@ -251,11 +251,11 @@ def test_the_phase_rule_weighs_the_completion_caches_one_device_holds(hf_checkpo
     rows, slots = 16, 24
     whole = rows * slots * cache_bytes_per_slot(config, jnp.float32)
     assert whole == rows * slots * 2 * 2 * 2 * 16 * 4  # k and v, 2 layers, 2 kv heads of 16, f32
-    assert completion_cache_bytes(rows, slots, config, jnp.float32) == whole  # no mesh
+    assert kv_cache_bytes(rows, slots, config, jnp.float32) == whole  # no mesh
     shares = {(8, 1, 1): 8, (1, 8, 1): 8, (2, 2, 2): 8, (1, 1, 8): 1, (1, 4, 2): 8, (1, 2, 4): 2}
     for shape, share in shares.items():  # tensor = 8 or 4 does not divide 2 kv heads
         with rules_context(make_mesh(shape)):
-            assert completion_cache_bytes(rows, slots, config, jnp.float32) == whole // share
+            assert kv_cache_bytes(rows, slots, config, jnp.float32) == whole // share
 
     # Threshold between one device's share and the whole: one phase on data = 8, three alone.
     monkeypatch.setattr(sampling_module, "PHASED_DECODE_MIN_TOKENS", 1)
