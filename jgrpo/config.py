@@ -300,7 +300,8 @@ class TrainSection:
     progress: bool = option(True, "show a progress bar")
     compilation_cache: str | None = option(
         "~/.cache/jgrpo/jax",
-        "persistent XLA compilation cache, so a rerun starts without compiling (None = off)",
+        "persistent XLA compilation cache, so a rerun starts without compiling (None = off; "
+        "not used on several CPU devices, docs/troubleshooting.md)",
     )
 
     def check(self):

@@ -98,8 +98,20 @@ def use_compilation_cache(directory: str | None) -> None:
     A cache the user already chose (JAX_COMPILATION_CACHE_DIR or jax.config) is kept. JAX
     decides whether to use a cache at the process's first compilation, so this is called
     before anything compiles.
+
+    Not on several CPU devices (`--xla_force_host_platform_device_count`): with jaxlib 0.10.2,
+    a sharded rollout read back from the cache deadlocked in 5 of 10 runs, its devices
+    waiting at two different all-gathers (one inside the prefill's layer loop, one outside
+    it that does not depend on it); compiled afresh it never did (docs/troubleshooting.md).
     """
     if directory is None or jax.config.jax_compilation_cache_dir:
+        return
+    if jax.default_backend() == "cpu" and jax.device_count() > 1:
+        logger.warning(
+            "train.compilation_cache is not used on %d CPU devices: XLA:CPU programs with "
+            "collectives read back from the cache can deadlock (docs/troubleshooting.md).",
+            jax.device_count(),
+        )
         return
     if "://" not in directory:  # gs:// and other remote paths pass through
         directory = str(pathlib.Path(directory).expanduser())

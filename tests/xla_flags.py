@@ -12,16 +12,11 @@ CHEAP_COMPILE = (
     "--xla_backend_optimization_level=0",
     "--xla_llvm_disable_expensive_passes=true",
 )
-# The 8 virtual devices of a sharded test are 8 threads on a 2-core machine that another test
-# worker also loads: a device reaching a collective (an FSDP all-gather) 40 s after the
-# others made XLA abort the process (its default limit; once in CI, on a slow host). Waiting
-# longer changes no result, and a real hang still aborts, after 10 minutes.
-SLOW_HOST_COLLECTIVES = ("--xla_cpu_collective_call_terminate_timeout_seconds=600",)
 
 
 def xla_flags(devices: int | None = None) -> str:
     """XLA_FLAGS for a test process, with `devices` host CPU devices (None: XLA's default)."""
-    flags = [*CHEAP_COMPILE, *SLOW_HOST_COLLECTIVES]
+    flags = list(CHEAP_COMPILE)
     if devices is not None:
         flags.append(f"--xla_force_host_platform_device_count={devices}")
     return " ".join(flags)
