@@ -103,10 +103,22 @@ def use_compilation_cache(directory: str | None) -> None:
     a sharded rollout read back from the cache deadlocked in 5 of 10 runs, its devices
     waiting at two different all-gathers (one inside the prefill's layer loop, one outside
     it that does not depend on it); compiled afresh it never did (docs/troubleshooting.md).
+    A cache the user chose is kept there too, with a warning.
     """
-    if directory is None or jax.config.jax_compilation_cache_dir:
+    several_cpus = jax.default_backend() == "cpu" and jax.device_count() > 1
+    if jax.config.jax_compilation_cache_dir:
+        if several_cpus:
+            logger.warning(
+                "The JAX compilation cache %s serves programs on %d CPU devices: XLA:CPU "
+                "programs with collectives read back from it can deadlock; if the run hangs, "
+                "unset JAX_COMPILATION_CACHE_DIR (docs/troubleshooting.md).",
+                jax.config.jax_compilation_cache_dir,
+                jax.device_count(),
+            )
         return
-    if jax.default_backend() == "cpu" and jax.device_count() > 1:
+    if directory is None:
+        return
+    if several_cpus:
         logger.warning(
             "train.compilation_cache is not used on %d CPU devices: XLA:CPU programs with "
             "collectives read back from the cache can deadlock (docs/troubleshooting.md).",

@@ -1,9 +1,11 @@
 """train.compilation_cache: a second run of the same config reads its programs back."""
 
+import logging
 import os
 import subprocess
 import sys
 
+import jax
 from xla_flags import xla_flags
 
 RUN = """
@@ -66,3 +68,18 @@ def test_several_cpu_devices_run_without_the_cache(tmp_path):
     assert hits == 0
     assert not (tmp_path / "cache").exists()
     assert "train.compilation_cache is not used on 8 CPU devices" in stderr
+
+
+def test_a_chosen_cache_on_several_cpu_devices_is_kept_with_a_warning(tmp_path, caplog):
+    from jgrpo.train import use_compilation_cache
+
+    chosen = jax.config.jax_compilation_cache_dir  # the suite's own cache (conftest.py)
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "chosen"))
+    try:
+        with caplog.at_level(logging.WARNING, logger="jgrpo.train"):
+            use_compilation_cache(str(tmp_path / "configured"))
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path / "chosen")
+    finally:
+        jax.config.update("jax_compilation_cache_dir", chosen)
+    assert jax.device_count() == 8
+    assert f"{tmp_path / 'chosen'} serves programs on 8 CPU devices" in caplog.text
