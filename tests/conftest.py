@@ -11,7 +11,9 @@ runs first in the controlling process, so both workers inherit its flags and sha
 Sharded CPU programs read back from the cache can deadlock (docs/troubleshooting.md; seen in
 test_compilation_cache's demo rollout, which therefore runs on one device). The cache stays:
 it saves a fifth of the compile-heavy files' time (test_sharding, test_train and test_plan
-under -n 2: 334 s -> 277 s), and no other test has hung on it in CI.
+under -n 2: 334 s -> 277 s), and a whole run reads only 12 sharded programs back (counted on
+2026-12-03: small helpers, one train_step and one init_state, all in the pytest workers, none
+in the training processes tests start), none of which has hung in CI.
 """
 
 import atexit
