@@ -105,24 +105,23 @@ def use_compilation_cache(directory: str | None) -> None:
     it that does not depend on it); compiled afresh it never did (docs/troubleshooting.md).
     A cache the user chose is kept there too, with a warning.
     """
-    several_cpus = jax.default_backend() == "cpu" and jax.device_count() > 1
-    if jax.config.jax_compilation_cache_dir:
-        if several_cpus:
-            logger.warning(
-                "The JAX compilation cache %s serves programs on %d CPU devices: XLA:CPU "
-                "programs with collectives read back from it can deadlock; if the run hangs, "
-                "unset JAX_COMPILATION_CACHE_DIR (docs/troubleshooting.md).",
-                jax.config.jax_compilation_cache_dir,
-                jax.device_count(),
-            )
+    chosen = jax.config.jax_compilation_cache_dir
+    cpu_devices = jax.device_count() if jax.default_backend() == "cpu" else 1
+    if chosen and cpu_devices > 1:
+        logger.warning(
+            "The JAX compilation cache %s serves programs on %d CPU devices: XLA:CPU "
+            "programs with collectives read back from it can deadlock; if the run hangs, "
+            "unset JAX_COMPILATION_CACHE_DIR (docs/troubleshooting.md).",
+            chosen,
+            cpu_devices,
+        )
+    if chosen or directory is None:
         return
-    if directory is None:
-        return
-    if several_cpus:
+    if cpu_devices > 1:
         logger.warning(
             "train.compilation_cache is not used on %d CPU devices: XLA:CPU programs with "
             "collectives read back from the cache can deadlock (docs/troubleshooting.md).",
-            jax.device_count(),
+            cpu_devices,
         )
         return
     if "://" not in directory:  # gs:// and other remote paths pass through
