@@ -528,9 +528,9 @@ def token_major_attention_inputs(config, params, x, cos, sin):
     """`attention_inputs` with keys and values left token-major, [B, T, K, D], for callers
     that split the tokens before attention (`models.group_forward`)."""
     eps = config.rms_norm_eps
-    h = rms_norm(x, params["attn_norm"], eps)
     kernels = (params["q_kernel"], params["k_kernel"], params["v_kernel"])
-    q, k, v = project_each(h, kernels)  # [B, T, H, D], [B, T, K, D], [B, T, K, D]
+    q, k, v = normed_projections(x, params["attn_norm"], kernels, eps)
+    # q [B, T, H, D]; k, v [B, T, K, D]
     if config.qkv_bias:
         q, k, v = q + params["q_bias"], k + params["k_bias"], v + params["v_bias"]
     if config.qk_norm:
@@ -543,23 +543,43 @@ def finish_layer(config, params, x, attention):
     """The rest of a block after attention [B, T, H, D]: output projection and residual, then
     x + SwiGLU(norm(x))."""
     x = x + project(attention, params["o_kernel"], contract=2)  # [B, T, E]
-    h = rms_norm(x, params["mlp_norm"], config.rms_norm_eps)
-    gate, up = project_each(h, (params["gate_kernel"], params["up_kernel"]))  # [B, T, M] each
-    hidden = constrain(swiglu(gate, up), ("batch", "length", "mlp"))
-    x = x + project(hidden, params["down_kernel"])
+    mlp_kernels = (params["gate_kernel"], params["up_kernel"])
+    gate, up = normed_projections(x, params["mlp_norm"], mlp_kernels, config.rms_norm_eps)
+    x = x + swiglu_projection(gate, up, params["down_kernel"])  # gate, up [B, T, M]
     return constrain(x, ("batch", "length", "embed"))
 
 
-@functools.partial(jax.checkpoint, prevent_cse=False)
-def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
-    """silu(gate) * up, recomputed from gate and up in the backward pass.
+def normed_projections(
+    x: jax.Array, scale: jax.Array, kernels: tuple[jax.Array, ...], eps: float
+) -> tuple[jax.Array, ...]:
+    """`project_each(rms_norm(x, scale, eps), kernels)`, the normalised x recomputed from x in
+    the backward pass.
 
-    Plain autodiff keeps the sigmoid, silu(gate) and two more [B, T, M] intermediates per
-    layer next to gate and up; recomputing them is a few elementwise operations
-    (docs/benchmarks.md: with `rms_norm` and `softmax` alike, the update's temporary memory
-    at the compare workload 5.95 -> 3.89 GB).
+    The weight gradients need the products' input; plain autodiff keeps the normalised x
+    for them, a second [B, T, E] per norm beside x, which the norm's own backward keeps
+    anyway (docs/benchmarks.md: with `swiglu_projection`, the update's temporary memory at
+    the compare workload 3.20 -> 2.49 GB). Only the norm is recomputed, not the products.
     """
-    return jax.nn.silu(gate) * up
+
+    @functools.partial(jax.checkpoint, prevent_cse=False)
+    def normed_products(x, scale, kernels):
+        return project_each(rms_norm(x, scale, eps), kernels)
+
+    return normed_products(x, scale, kernels)
+
+
+@functools.partial(jax.checkpoint, prevent_cse=False)
+def swiglu_projection(gate: jax.Array, up: jax.Array, kernel: jax.Array) -> jax.Array:
+    """`project(silu(gate) * up, kernel)`, silu(gate) * up recomputed from gate and up in the
+    backward pass: [B, T, M] x [M, E] -> [B, T, E].
+
+    Plain autodiff keeps the sigmoid, silu(gate), the product and more [B, T, M]
+    intermediates per layer next to gate and up; recomputing them is a few elementwise
+    operations (docs/benchmarks.md: with `rms_norm`, `softmax` and `normed_projections`
+    alike, the update's temporary memory at the compare workload 5.95 -> 2.49 GB).
+    """
+    hidden = constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
+    return project(hidden, kernel)
 
 
 def decoder_layer(config, params, x, cos, sin, mask, cache=None, offset=0):

@@ -22,11 +22,12 @@ from models.transformer import (
     forward,
     init_cache,
     inverse_frequencies,
+    normed_projections,
     project_each,
     rms_norm,
     rope_tables,
     softmax,
-    swiglu,
+    swiglu_projection,
 )
 
 
@@ -177,24 +178,30 @@ def test_attention_softmax_matches_jax_and_keeps_only_its_output(capsys):
     assert saved_shapes(capsys, loss(softmax), scores, values) == ["f32[3,5]", "f32[5,4]"]
 
 
-def test_swiglu_recomputes_its_intermediates_in_the_backward_pass(capsys):
+def test_swiglu_projection_recomputes_its_input_in_the_backward_pass(capsys):
     rng = np.random.default_rng(1)
     gate, up = (jnp.asarray(rng.normal(size=(3, 6)) * 3, jnp.float32) for _ in range(2))
     down = jnp.asarray(rng.normal(size=(6, 4)), jnp.float32)
 
     def loss(fn):
-        return lambda g, u, w: (fn(g, u) @ w).sum()
+        return lambda g, u, w: fn(g, u, w).sum()
 
-    def plain(g, u):
-        return jax.nn.silu(g) * u
+    def plain(g, u, w):
+        return (jax.nn.silu(g) * u) @ w
 
-    np.testing.assert_array_equal(swiglu(gate, up), plain(gate, up))
-    ours = jax.grad(loss(swiglu), argnums=(0, 1, 2))(gate, up, down)
+    np.testing.assert_allclose(
+        swiglu_projection(gate, up, down), plain(gate, up, down), rtol=1e-6, atol=1e-6
+    )
+    ours = jax.grad(loss(swiglu_projection), argnums=(0, 1, 2))(gate, up, down)
     reference = jax.grad(loss(plain), argnums=(0, 1, 2))(gate, up, down)
     for a, b in zip(ours, reference, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
-    # gate, up and the product (the down projection's input), not silu's intermediates.
-    assert saved_shapes(capsys, loss(swiglu), gate, up, down) == ["f32[3,6]"] * 3 + ["f32[6,4]"]
+    # gate, up and the kernel: neither silu's intermediates nor the product's input.
+    assert saved_shapes(capsys, loss(swiglu_projection), gate, up, down) == [
+        "f32[3,6]",
+        "f32[3,6]",
+        "f32[6,4]",
+    ]
     assert saved_shapes(capsys, loss(plain), gate, up, down).count("f32[3,6]") > 3
 
 
@@ -209,17 +216,28 @@ def test_rms_norm_recomputes_the_normalised_input_in_the_backward_pass(capsys):
     def loss(x, scale, weight):
         return (rms_norm(x, scale, 1e-6) @ weight).sum()
 
+    def projected_loss(x, scale, weight):  # the norm and the product as one unit
+        (product,) = normed_projections(x, scale, (weight,), 1e-6)
+        return product.sum()
+
     def unnormalised_loss(x, scale, weight):  # the same function, written out
         rms = jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
         return (x / rms * scale @ weight).sum()
 
-    ours = jax.grad(loss, argnums=(0, 1, 2))(x, scale, weight)
     reference = jax.grad(unnormalised_loss, argnums=(0, 1, 2))(x, scale, weight)
-    for a, b in zip(ours, reference, strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    for fn in (loss, projected_loss):
+        ours = jax.grad(fn, argnums=(0, 1, 2))(x, scale, weight)
+        for a, b in zip(ours, reference, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
     # x, the scale, the weight and the product's input: nothing of the normalisation itself.
     assert saved_shapes(capsys, loss, x, scale, weight) == [
         "f32[3,6]",
+        "f32[3,6]",
+        "f32[6,4]",
+        "f32[6]",
+    ]
+    # With the product in the unit, not even its input: x is what the backward pass starts from.
+    assert saved_shapes(capsys, projected_loss, x, scale, weight) == [
         "f32[3,6]",
         "f32[6,4]",
         "f32[6]",
@@ -245,7 +263,8 @@ def test_projections_share_one_reshape_of_their_input_and_keep_kernels_as_they_a
         return sum(a.sum() for a in attention_inputs(config, layer, x, cos, sin))
 
     saved = saved_shapes(capsys, loss, layer, x)
-    assert saved.count("f32[14,64]") == 1  # the normed input, once for q, k and v
+    # x, once for q, k and v; no normed copy of it (recomputed) and no reshaped one
+    assert saved.count("f32[2,7,64]") == 1 and "f32[14,64]" not in saved
     assert saved.count("f32[64,4,16]") == 1 and saved.count("f32[64,2,16]") == 2  # the kernels
     assert "f32[64,64]" not in saved and "f32[64,32]" not in saved  # no reshaped kernels
 
