@@ -549,6 +549,7 @@ def finish_layer(config, params, x, attention):
     return constrain(x, ("batch", "length", "embed"))
 
 
+@functools.partial(jax.checkpoint, prevent_cse=False, static_argnums=(3,))
 def normed_projections(
     x: jax.Array, scale: jax.Array, kernels: tuple[jax.Array, ...], eps: float
 ) -> tuple[jax.Array, ...]:
@@ -558,14 +559,11 @@ def normed_projections(
     The weight gradients need the products' input; plain autodiff keeps the normalised x
     for them, a second [B, T, E] per norm beside x, which the norm's own backward keeps
     anyway (docs/benchmarks.md: with `swiglu_projection`, the update's temporary memory at
-    the compare workload 3.20 -> 2.49 GB). Only the norm is recomputed, not the products.
+    the compare workload 3.20 -> 2.49 GB). Only the norm is recomputed: the backward does
+    not read the products, so XLA drops their recomputation (the update has as many dots
+    as without the checkpoint).
     """
-
-    @functools.partial(jax.checkpoint, prevent_cse=False)
-    def normed_products(x, scale, kernels):
-        return project_each(rms_norm(x, scale, eps), kernels)
-
-    return normed_products(x, scale, kernels)
+    return project_each(rms_norm(x, scale, eps), kernels)
 
 
 @functools.partial(jax.checkpoint, prevent_cse=False)
