@@ -124,6 +124,11 @@ class AlgorithmSection:
         True,
         "update: run each prompt once per group, not G times (equal results, less work)",
     )
+    completion_buckets: int = option(
+        1,
+        "update on the narrowest of this many completion widths that holds the longest "
+        "completion (1 = always max_new_tokens)",
+    )
     dynamic_sampling: bool = option(False, "DAPO: replace groups with equal rewards by new ones")
     max_extra_rollouts: int = option(2, "dynamic sampling: extra rollouts allowed per step")
     overlong_buffer: int = option(0, "DAPO soft overlong penalty over the last N tokens (0 = off)")
@@ -144,7 +149,12 @@ class AlgorithmSection:
             raise ConfigError(f"algorithm.beta must be >= 0 (0 = off), got {self.beta}.")
         if not 0 < self.clip_eps < 1:
             raise ConfigError(f"algorithm.clip_eps must be in (0, 1), got {self.clip_eps}.")
-        for name in ("num_iterations", "num_minibatches", "grad_accumulation"):
+        for name in (
+            "num_iterations",
+            "num_minibatches",
+            "grad_accumulation",
+            "completion_buckets",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"algorithm.{name} must be >= 1, got {getattr(self, name)}.")
         for name in ("max_extra_rollouts", "overlong_buffer"):

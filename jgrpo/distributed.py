@@ -194,6 +194,13 @@ def agree_any(flag: bool) -> bool:
     return bool(np.any(multihost_utils.process_allgather(np.array(bool(flag)))))
 
 
+def agree_max(value: int) -> int:
+    """The largest of every process's `value`, on every process (a collective)."""
+    if jax.process_count() == 1:
+        return int(value)
+    return int(np.max(multihost_utils.process_allgather(np.array(int(value)))))
+
+
 def agree_all(flag: bool) -> bool:
     """True on every process when `flag` is true on all of them (a collective)."""
     return not agree_any(not flag)

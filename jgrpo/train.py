@@ -265,7 +265,20 @@ def update_config_of(config: Config, *, beta_in_loss: float, batch_shards: int =
             config, grad_accumulation=algo.grad_accumulation, batch_shards=batch_shards
         ),
         matmul_dtype=config.model.matmul_dtype,
+        # dr_grpo divides by the length limit, not by a trimmed batch's width
+        max_completion_length=config.rollout.max_new_tokens,
     )
+
+
+def completion_widths(max_new_tokens: int, buckets: int) -> tuple[int, ...]:
+    """The completion widths the update may run at (`algorithm.completion_buckets`):
+    k / buckets of max_new_tokens for k = 1 ... buckets, each rounded up to a multiple of 8
+    (vector lanes) and at most max_new_tokens; ascending, without repeats."""
+    widths = set()
+    for k in range(1, buckets + 1):
+        width = -(-k * max_new_tokens // buckets)  # ceil
+        widths.add(min(max_new_tokens, -(-width // 8) * 8))
+    return tuple(sorted(widths))
 
 
 def optimizer_of(config: Config):
@@ -412,6 +425,7 @@ class Trainer:
             )
         self.greedy = dataclasses.replace(self.sampling, temperature=0.0, top_p=1.0, top_k=0)
         algo = config.algorithm
+        self.completion_widths = completion_widths(r.max_new_tokens, algo.completion_buckets)
         self.kl_weight_in_reward = algo.beta if algo.kl_in_reward else 0.0
         self.update_config = update_config_of(
             config,
@@ -746,15 +760,27 @@ class Trainer:
         with rules_context(self.mesh):
             return program(params, batch)
 
-    def to_batch(self, groups: Groups, advantages: np.ndarray) -> Batch:
-        completion_mask = groups.mask
+    def completion_width(self, groups: Groups) -> int:
+        """The narrowest of `completion_widths` that holds every process's longest completion.
+
+        Completion tokens attend only to earlier ones, so dropping columns that no row uses
+        changes no log-prob, loss or gradient beyond float rounding (`UpdateConfig`'s
+        max_completion_length keeps dr_grpo's divisor)."""
+        if len(self.completion_widths) == 1:
+            return self.completion_widths[0]
+        used = np.flatnonzero(groups.mask.any(axis=0))
+        longest = distributed.agree_max(int(used[-1]) + 1 if used.size else 0)
+        return next(width for width in self.completion_widths if width >= longest)
+
+    def to_batch(self, groups: Groups, advantages: np.ndarray, width: int | None = None) -> Batch:
+        """The update's batch; `width` keeps the first `width` completion columns (None: all)."""
+        tokens, mask = groups.tokens[:, :width], groups.mask[:, :width]
+        completion_mask = mask
         if self.config.algorithm.mask_truncated:
             completion_mask = completion_mask & ~groups.truncated[:, None]
         batch = Batch(
-            input_ids=np.concatenate([groups.prompt_ids, groups.tokens], axis=1),
-            attention_mask=np.concatenate(
-                [groups.prompt_mask, groups.mask.astype(np.int32)], axis=1
-            ),
+            input_ids=np.concatenate([groups.prompt_ids, tokens], axis=1),
+            attention_mask=np.concatenate([groups.prompt_mask, mask.astype(np.int32)], axis=1),
             completion_mask=completion_mask,
             advantages=np.asarray(advantages, np.float32),
         )
@@ -847,7 +873,8 @@ class Trainer:
         key = jax.random.fold_in(jax.random.key(self.config.train.seed), step)
         groups, metrics, position = self.collect(state.params, ref_params, key, position)
         advantages = self.advantages(groups)
-        batch = self.to_batch(groups, advantages)
+        width = self.completion_width(groups)
+        batch = self.to_batch(groups, advantages, width)
 
         update_start = time.perf_counter()
         self.compiled_update()  # at the first step: the compile started ahead, finished
@@ -857,6 +884,7 @@ class Trainer:
             )
         metrics.update(_update_metrics(jax.device_get(update)))
         metrics["time/update"] = time.perf_counter() - update_start
+        metrics["completion_width"] = width
         valid = self.block.gather(advantages)[self.block.gather(groups.valid)]
         metrics["advantage/mean"] = float(valid.mean()) if valid.size else 0.0
         metrics["advantage/std"] = float(valid.std()) if valid.size else 0.0

@@ -39,6 +39,10 @@ class UpdateConfig:
     float rounding, with about half the tokens when the prompt is as long as the completion.
     The training loop sets it (`algorithm.shared_prompt_forward`, on by default) whenever
     micro-batches and batch shards hold whole groups.
+
+    `max_completion_length` fixes dr_grpo's divisor (the length limit) for batches trimmed to
+    their longest completion (`algorithm.completion_buckets`), so the loss does not depend
+    on the trim; no other loss type reads it.
     """
 
     num_iterations: int = 1  # mu: passes over each rollout batch
@@ -54,6 +58,7 @@ class UpdateConfig:
     logprob_chunk_size: int = 4096
     shared_prompt_rows: int = 1  # G: rows that repeat one prompt; 1 = every row in full
     matmul_dtype: str = "float32"  # "bfloat16": bf16 products, f32 sums (completion_logprobs)
+    max_completion_length: int | None = None  # dr_grpo's divisor; None = the batch's width
 
     def __post_init__(self):
         for name in ("num_iterations", "num_minibatches", "grad_accumulation"):
@@ -67,6 +72,10 @@ class UpdateConfig:
         if self.temperature <= 0:
             raise ValueError(
                 f"temperature must be > 0 (the sampling temperature), got {self.temperature}."
+            )
+        if self.max_completion_length is not None and self.max_completion_length < 1:
+            raise ValueError(
+                f"max_completion_length must be >= 1 or None, got {self.max_completion_length}."
             )
         if self.matmul_dtype not in ("float32", "bfloat16"):
             raise ValueError(
@@ -269,6 +278,7 @@ def train_step(
             kl_estimator=cfg.kl_estimator,
             ratio_level=cfg.ratio_level,
             total_tokens=minibatch_tokens,
+            max_completion_length=cfg.max_completion_length,
         )
         mask = micro.completion_mask.astype(jnp.float32)
         metrics["entropy"] = (entropy * mask).sum() / jnp.maximum(mask.sum(), 1.0)

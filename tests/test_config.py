@@ -49,6 +49,7 @@ def test_round_trip_through_yaml(tmp_path):
         ),
         (["optim.learning_rate=1e-5"], r"unknown config key 'optim\.learning_rate'"),
         (["rollout.num_generations=1"], r"rollout\.num_generations must be >= 2"),
+        (["algorithm.completion_buckets=0"], r"algorithm\.completion_buckets must be >= 1"),
         (["rollout.num_generations=abc"], r"rollout\.num_generations must be int, got 'abc'"),
         (["model.remat=1"], r"model\.remat must be bool, got 1"),
         (["optim.lr=-1"], r"optim\.lr must be > 0"),

@@ -26,7 +26,8 @@ COMMON = [
     "task.reward_workers=0",
     "rollout.prompts_per_step=8",
     "rollout.num_generations=4",
-    "rollout.max_new_tokens=4",
+    "rollout.max_new_tokens=16",
+    "algorithm.completion_buckets=2",  # widths 8 and 16: the processes agree on one
     "rollout.max_prompt_length=8",
     "algorithm.beta=0.04",
     "algorithm.kl_in_reward=true",  # the reference pass reads back per-process rows
@@ -160,6 +161,7 @@ def test_one_process_holds_every_row():
     np.testing.assert_array_equal(block.local(array), values)
     np.testing.assert_array_equal(block.gather(values[:, 0]), values[:, 0])
     assert distributed.agree_any(True) and not distributed.agree_all(False)
+    assert distributed.agree_max(3) == 3
     with pytest.raises(ValueError, match="equal parts"):
         block.bounds(6)
 

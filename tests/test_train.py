@@ -1,5 +1,6 @@
 """The training loop end to end on the tiny demo config: metrics, checkpoints, resume, export."""
 
+import dataclasses
 import os
 import pathlib
 import runpy
@@ -187,6 +188,51 @@ def test_the_update_compiled_ahead_is_the_program_the_first_step_calls(tmp_path,
     state, metrics, _ = trainer.step(state, reference, 0, 0)
     assert count_compiles() == before
     assert int(state.step) == 1 and np.isfinite(metrics["loss"])
+
+
+def test_completion_widths_are_rounded_fractions_of_the_limit():
+    assert train_module.completion_widths(64, 1) == (64,)
+    assert train_module.completion_widths(64, 4) == (16, 32, 48, 64)
+    # ceil(100 k / 3) = 34, 67, 100 -> multiples of 8, at most the limit
+    assert train_module.completion_widths(100, 3) == (40, 72, 100)
+    # 3, 5, 8, 10, 13, 15, 18, 20 -> 8, 16, 24 -> 20
+    assert train_module.completion_widths(20, 8) == (8, 16, 20)
+    assert train_module.completion_widths(4, 4) == (4,)
+
+
+def test_the_update_runs_on_the_narrowest_width_that_holds_every_completion(tmp_path, monkeypatch):
+    """With completion_buckets the step trims the batch to the width its completions need,
+    and updates as the untrimmed step does (dr_grpo: its divisor stays max_new_tokens)."""
+    settings = ["rollout.max_new_tokens=16", "algorithm.loss_type=dr_grpo", "algorithm.beta=0.04"]
+    trimmed = train_module.Trainer(
+        tiny_config(tmp_path / "trimmed", *settings, "algorithm.completion_buckets=4")
+    )
+    full = train_module.Trainer(tiny_config(tmp_path / "full", *settings))
+    assert trimmed.completion_widths == (8, 16) and full.completion_widths == (16,)
+    params = trimmed.initial_params()
+    groups, collected, position = trimmed.collect(params, params, jax.random.key(0), 0)
+    groups.mask[:, 6:] = False  # as if every completion had stopped within 6 tokens
+    groups.mask[:, :6] = True
+    groups.tokens[:, 6:] = trimmed.sampling.pad_token_id
+    assert trimmed.completion_width(groups) == 8
+    batch = trimmed.to_batch(groups, trimmed.advantages(groups), 8)
+    assert batch.completion_mask.shape == (16, 8) and batch.input_ids.shape == (16, 8 + 8)
+    longer = dataclasses.replace(groups, mask=groups.mask.copy())
+    longer.mask[3, 8] = True
+    assert trimmed.completion_width(longer) == 16
+
+    metrics = {}
+    for name, trainer in (("trimmed", trimmed), ("full", full)):
+        monkeypatch.setattr(trainer, "collect", lambda *_: (groups, dict(collected), position))
+        state = trainer.initial_state(jax.tree.map(jnp.copy, params))
+        _, metrics[name], _ = trainer.step(state, params, 0, 0)
+    assert metrics["trimmed"]["completion_width"] == 8
+    assert metrics["full"]["completion_width"] == 16
+    assert metrics["full"]["grad_norm"] > 0
+    for name in ("loss", "grad_norm", "entropy", "kl"):
+        np.testing.assert_allclose(
+            metrics["trimmed"][name], metrics["full"][name], rtol=1e-5, atol=1e-8
+        )
 
 
 def test_an_error_while_compiling_ahead_reaches_the_caller(tmp_path):

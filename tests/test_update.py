@@ -124,6 +124,39 @@ def test_dapo_gradient_accumulation_is_exact(params):
     )
 
 
+@pytest.mark.parametrize(
+    ("loss_type", "shared_prompt_rows"), [("dapo", 4), ("grpo", 1), ("dr_grpo", 4)]
+)
+def test_completion_columns_that_no_row_uses_change_nothing(params, loss_type, shared_prompt_rows):
+    """What `algorithm.completion_buckets` relies on: the update of a batch trimmed to its
+    used completion columns equals the wider batch's, dr_grpo's divisor held fixed."""
+    batch, _ = rollout_batch(params)
+    extra = ((0, 0), (0, 3))  # three more completion columns, all padding
+    wide = Batch(
+        input_ids=jnp.pad(batch.input_ids, extra),
+        attention_mask=jnp.pad(batch.attention_mask, extra),
+        completion_mask=jnp.pad(batch.completion_mask, extra),
+        advantages=batch.advantages,
+    )
+    settings = dict(
+        loss_type=loss_type,
+        beta=0.04,
+        shared_prompt_rows=shared_prompt_rows,
+        max_completion_length=NEW_TOKENS + 3,
+    )
+    sgd = optax.sgd(1.0)  # params move by exactly the gradient (Adam would amplify rounding)
+    narrow_state, narrow_metrics = step(params, batch, params, optimizer=sgd, **settings)
+    wide_state, wide_metrics = step(params, wide, params, optimizer=sgd, **settings)
+    assert wide_metrics["grad_norm"] > 0
+    for name in ("loss", "grad_norm", "entropy", "kl_mean", "ratio_mean"):
+        np.testing.assert_allclose(narrow_metrics[name], wide_metrics[name], rtol=1e-5, atol=1e-7)
+    leaves = zip(
+        jax.tree.leaves(narrow_state.params), jax.tree.leaves(wide_state.params), strict=True
+    )
+    for a, b in leaves:
+        np.testing.assert_allclose(a, b, atol=1e-6)
+
+
 def test_kl_to_the_reference(params):
     batch, _ = rollout_batch(params)
     _, metrics = step(params, batch, params, beta=0.1, num_iterations=2)
