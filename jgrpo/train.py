@@ -511,7 +511,7 @@ class Trainer:
             step=replicated(self.mesh),
         )
         self.update = self.update_program(self.update_config)
-        self._update_compiling: concurrent.futures.Future | None = None
+        self._update_compiling: dict[int, concurrent.futures.Future] = {}  # width -> program
         self.block = distributed.RowBlock(self.rows)  # the rows this process handles
 
     def update_program(self, update_config: UpdateConfig) -> Callable:
@@ -537,23 +537,24 @@ class Trainer:
             donate_argnums=0,
         )
 
-    def update_arguments(self) -> tuple[TrainState, Batch, dict | None]:
+    def update_arguments(self, width: int | None = None) -> tuple[TrainState, Batch, dict | None]:
         """The update's arguments as ShapeDtypeStructs with their shardings: the state, the
-        batch `to_batch` makes at every step (prompts_per_step x G rows of max_prompt_length
-        + max_new_tokens tokens) and the reference parameters (None when beta is 0)."""
+        batch `to_batch` makes (prompts_per_step x G rows of max_prompt_length + `width`
+        tokens; None: max_new_tokens) and the reference parameters (None when beta is 0)."""
         r = self.config.rollout
+        width = r.max_new_tokens if width is None else width
         rows, length = r.prompts_per_step * r.num_generations, r.max_prompt_length
         params = abstract_arrays(jax.eval_shape(self.model.params), self.param_shardings)
         opt_state = abstract_arrays(
             jax.eval_shape(self.optimizer.init, params), self.state_shardings.opt_state
         )
         step = jax.ShapeDtypeStruct((), jnp.int32, sharding=self.state_shardings.step)
-        tokens = length + r.max_new_tokens
+        tokens = length + width
         batch = abstract_arrays(
             Batch(
                 input_ids=jax.ShapeDtypeStruct((rows, tokens), jnp.int32),
                 attention_mask=jax.ShapeDtypeStruct((rows, tokens), jnp.int32),
-                completion_mask=jax.ShapeDtypeStruct((rows, r.max_new_tokens), jnp.bool_),
+                completion_mask=jax.ShapeDtypeStruct((rows, width), jnp.bool_),
                 advantages=jax.ShapeDtypeStruct((rows,), jnp.float32),
             ),
             self.batch_shardings,
@@ -562,29 +563,32 @@ class Trainer:
         return TrainState(params, opt_state, step), batch, reference
 
     def compile_update_ahead(self) -> None:
-        """Starts compiling the update in a background thread.
+        """Starts compiling the update in a background thread, for every completion width
+        (`algorithm.completion_buckets`; the widest first).
 
         XLA compiles without holding the GIL, so the update compiles while the first rollout
-        compiles and samples (on an accelerator, while the device works). The program lands
-        in jit's cache: the first step waits for it and its call compiles nothing.
+        compiles and samples (on an accelerator, while the device works). The programs land
+        in jit's cache: a step waits for its width's program and its call compiles nothing.
         """
-        if self._update_compiling is not None:
+        if self._update_compiling:
             return
-        arguments = self.update_arguments()
 
-        def compile_update() -> jax.stages.Compiled:
+        def compile_update(arguments) -> jax.stages.Compiled:
             with rules_context(self.mesh):  # its rules are per thread
                 return self.update.lower(*arguments).compile()
 
         pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jgrpo-compile")
-        self._update_compiling = pool.submit(compile_update)
-        pool.shutdown(wait=False)  # the thread ends with its one task
+        for width in sorted(self.completion_widths, reverse=True):
+            arguments = self.update_arguments(width)
+            self._update_compiling[width] = pool.submit(compile_update, arguments)
+        pool.shutdown(wait=False)  # the thread ends with its tasks
 
-    def compiled_update(self) -> jax.stages.Compiled:
-        """The update compiled for this run's batch: waits for `compile_update_ahead` (started
-        here if it was not) and raises what its compilation raised."""
+    def compiled_update(self, width: int | None = None) -> jax.stages.Compiled:
+        """The update compiled for this run's batch of `width` completion columns (None:
+        max_new_tokens): waits for `compile_update_ahead` (started here if it was not) and
+        raises what its compilation raised."""
         self.compile_update_ahead()
-        return self._update_compiling.result()
+        return self._update_compiling[width or self.config.rollout.max_new_tokens].result()
 
     def rollout_program(self, sampling: SamplingConfig, num_generations: int) -> Callable:
         """`jgrpo.sampling.rollout` jitted with the prompts split over the batch axes."""
@@ -877,7 +881,7 @@ class Trainer:
         batch = self.to_batch(groups, advantages, width)
 
         update_start = time.perf_counter()
-        self.compiled_update()  # at the first step: the compile started ahead, finished
+        self.compiled_update(width)  # compiled ahead: at the first steps, wait for it
         with rules_context(self.mesh):
             state, update = self.update(
                 state, batch, ref_params if self.update_config.beta > 0 else None

@@ -200,15 +200,22 @@ def test_completion_widths_are_rounded_fractions_of_the_limit():
     assert train_module.completion_widths(4, 4) == (4,)
 
 
-def test_the_update_runs_on_the_narrowest_width_that_holds_every_completion(tmp_path, monkeypatch):
+def test_the_update_runs_on_the_narrowest_width_that_holds_every_completion(
+    tmp_path, monkeypatch, count_compiles
+):
     """With completion_buckets the step trims the batch to the width its completions need,
-    and updates as the untrimmed step does (dr_grpo: its divisor stays max_new_tokens)."""
+    and updates as the untrimmed step does (dr_grpo: its divisor stays max_new_tokens). Every
+    width compiles ahead, so the step compiles nothing."""
     settings = ["rollout.max_new_tokens=16", "algorithm.loss_type=dr_grpo", "algorithm.beta=0.04"]
     trimmed = train_module.Trainer(
         tiny_config(tmp_path / "trimmed", *settings, "algorithm.completion_buckets=4")
     )
     full = train_module.Trainer(tiny_config(tmp_path / "full", *settings))
     assert trimmed.completion_widths == (8, 16) and full.completion_widths == (16,)
+    start = count_compiles()
+    trimmed.compile_update_ahead()
+    assert trimmed.compiled_update(8) is not trimmed.compiled_update()
+    assert count_compiles() == start + 2
     params = trimmed.initial_params()
     groups, collected, position = trimmed.collect(params, params, jax.random.key(0), 0)
     groups.mask[:, 6:] = False  # as if every completion had stopped within 6 tokens
@@ -225,7 +232,10 @@ def test_the_update_runs_on_the_narrowest_width_that_holds_every_completion(tmp_
     for name, trainer in (("trimmed", trimmed), ("full", full)):
         monkeypatch.setattr(trainer, "collect", lambda *_: (groups, dict(collected), position))
         state = trainer.initial_state(jax.tree.map(jnp.copy, params))
+        before = count_compiles()
         _, metrics[name], _ = trainer.step(state, params, 0, 0)
+        if name == "trimmed":
+            assert count_compiles() == before  # width 8: compiled ahead
     assert metrics["trimmed"]["completion_width"] == 8
     assert metrics["full"]["completion_width"] == 16
     assert metrics["full"]["grad_norm"] > 0
