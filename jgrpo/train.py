@@ -539,18 +539,23 @@ class Trainer:
 
     def update_arguments(self, width: int | None = None) -> tuple[TrainState, Batch, dict | None]:
         """The update's arguments as ShapeDtypeStructs with their shardings: the state, the
-        batch `to_batch` makes (prompts_per_step x G rows of max_prompt_length + `width`
-        tokens; None: max_new_tokens) and the reference parameters (None when beta is 0)."""
-        r = self.config.rollout
-        width = r.max_new_tokens if width is None else width
-        rows, length = r.prompts_per_step * r.num_generations, r.max_prompt_length
+        batch `to_batch` makes (`batch_arguments`) and the reference parameters (None when
+        beta is 0)."""
         params = abstract_arrays(jax.eval_shape(self.model.params), self.param_shardings)
         opt_state = abstract_arrays(
             jax.eval_shape(self.optimizer.init, params), self.state_shardings.opt_state
         )
         step = jax.ShapeDtypeStruct((), jnp.int32, sharding=self.state_shardings.step)
-        tokens = length + width
-        batch = abstract_arrays(
+        reference = params if self.update_config.beta > 0 else None
+        return TrainState(params, opt_state, step), self.batch_arguments(width), reference
+
+    def batch_arguments(self, width: int | None = None) -> Batch:
+        """The batch `to_batch` makes as ShapeDtypeStructs: prompts_per_step x G rows of
+        max_prompt_length + `width` tokens (None: max_new_tokens)."""
+        r = self.config.rollout
+        width = r.max_new_tokens if width is None else width
+        rows, tokens = r.prompts_per_step * r.num_generations, r.max_prompt_length + width
+        return abstract_arrays(
             Batch(
                 input_ids=jax.ShapeDtypeStruct((rows, tokens), jnp.int32),
                 attention_mask=jax.ShapeDtypeStruct((rows, tokens), jnp.int32),
@@ -559,8 +564,6 @@ class Trainer:
             ),
             self.batch_shardings,
         )
-        reference = params if self.update_config.beta > 0 else None
-        return TrainState(params, opt_state, step), batch, reference
 
     def compile_update_ahead(self) -> None:
         """Starts compiling the update in a background thread, for every completion width
@@ -573,14 +576,15 @@ class Trainer:
         if self._update_compiling:
             return
 
-        def compile_update(arguments) -> jax.stages.Compiled:
+        state, _, reference = self.update_arguments()
+
+        def compile_update(width: int) -> jax.stages.Compiled:
             with rules_context(self.mesh):  # its rules are per thread
-                return self.update.lower(*arguments).compile()
+                return self.update.lower(state, self.batch_arguments(width), reference).compile()
 
         pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jgrpo-compile")
-        for width in sorted(self.completion_widths, reverse=True):
-            arguments = self.update_arguments(width)
-            self._update_compiling[width] = pool.submit(compile_update, arguments)
+        for width in reversed(self.completion_widths):  # ascending: the widest first
+            self._update_compiling[width] = pool.submit(compile_update, width)
         pool.shutdown(wait=False)  # the thread ends with its tasks
 
     def compiled_update(self, width: int | None = None) -> jax.stages.Compiled:
@@ -588,7 +592,8 @@ class Trainer:
         max_new_tokens): waits for `compile_update_ahead` (started here if it was not) and
         raises what its compilation raised."""
         self.compile_update_ahead()
-        return self._update_compiling[width or self.config.rollout.max_new_tokens].result()
+        width = self.config.rollout.max_new_tokens if width is None else width
+        return self._update_compiling[width].result()
 
     def rollout_program(self, sampling: SamplingConfig, num_generations: int) -> Callable:
         """`jgrpo.sampling.rollout` jitted with the prompts split over the batch axes."""
