@@ -129,6 +129,11 @@ class AlgorithmSection:
         "update on the narrowest of this many completion widths that holds the longest "
         "completion (1 = always max_new_tokens)",
     )
+    pack_completions: bool = option(
+        False,
+        "update: pack each group's completions into fewer rows, skipping their padding "
+        "(equal results; needs shared_prompt_forward)",
+    )
     dynamic_sampling: bool = option(False, "DAPO: replace groups with equal rewards by new ones")
     max_extra_rollouts: int = option(2, "dynamic sampling: extra rollouts allowed per step")
     overlong_buffer: int = option(0, "DAPO soft overlong penalty over the last N tokens (0 = off)")

@@ -50,6 +50,7 @@ from jgrpo.generation import encode_prompts, pad_prompts, stop_token_ids
 from jgrpo.huge_pages import reexec_with_huge_pages
 from jgrpo.losses import sequence_kl
 from jgrpo.metrics import MetricsWriter, ProgressBar
+from jgrpo.packing import completion_lengths, pack_completions, packed_row_counts, rows_needed
 from jgrpo.plan import check_memory
 from jgrpo.rewards import Scores, score_completions
 from jgrpo.rewards.pool import VerifierPool
@@ -72,6 +73,7 @@ from jgrpo.update import (
     make_optimizer,
     train_step,
 )
+from models.group_forward import PackedCompletions
 
 logger = logging.getLogger("jgrpo.train")
 
@@ -432,6 +434,17 @@ class Trainer:
             beta_in_loss=0.0 if algo.kl_in_reward else algo.beta,
             batch_shards=self.mesh.shape["data"] * self.mesh.shape["fsdp"],
         )
+        if algo.pack_completions and self.update_config.shared_prompt_rows == 1:
+            raise ConfigError(
+                "algorithm.pack_completions packs each group's completions and needs the "
+                "shared-prompt update: algorithm.shared_prompt_forward=true, "
+                "rollout.num_generations > 1, and whole groups in every micro-batch and batch "
+                "shard (rollout.prompts_per_step divisible by algorithm.num_minibatches x "
+                "algorithm.grad_accumulation x mesh data x fsdp); or turn packing off."
+            )
+        # the update's batch shapes: (completion width, packed rows per group or None)
+        packed_rows = packed_row_counts(self.group_size) if algo.pack_completions else (None,)
+        self.update_shapes = [(w, rows) for w in self.completion_widths for rows in packed_rows]
         self.optimizer = optimizer_of(config)
         self.setup_shardings()
         self.reward_model = None  # a ModelReward among the task's reward functions
@@ -497,7 +510,12 @@ class Trainer:
         import models
 
         self.rows, self.row_matrix = row_shardings(self.mesh)  # [B] and [B, T] arrays
-        self.batch_shardings = Batch(self.row_matrix, self.row_matrix, self.row_matrix, self.rows)
+        packed = None
+        if self.config.algorithm.pack_completions:  # [P * Gb, N] and [B, N], split like rows
+            packed = PackedCompletions(self.row_matrix, self.row_matrix)
+        self.batch_shardings = Batch(
+            self.row_matrix, self.row_matrix, self.row_matrix, self.rows, packed
+        )
         params = self.model.params()
         self.param_shardings = tree_shardings(
             params, models.transformer.param_axes(self.model_config), self.mesh
@@ -511,12 +529,14 @@ class Trainer:
             step=replicated(self.mesh),
         )
         self.update = self.update_program(self.update_config)
-        self._update_compiling: dict[int, concurrent.futures.Future] = {}  # width -> program
+        # (width, packed rows) -> its program
+        self._update_compiling: dict[tuple, concurrent.futures.Future] = {}
         self.block = distributed.RowBlock(self.rows)  # the rows this process handles
 
     def update_program(self, update_config: UpdateConfig) -> Callable:
         """`jgrpo.train_step` jitted with explicit in/out shardings, the state donated."""
         key = ("update", self.mesh, self.model_config, self.config.model.dtype, update_config)
+        key += (self.config.algorithm.pack_completions,)  # the batch's shardings differ
         return _shared_program((*key, self.optimizer), lambda: self._jit_update(update_config))
 
     def _jit_update(self, update_config: UpdateConfig) -> Callable:
@@ -537,7 +557,9 @@ class Trainer:
             donate_argnums=0,
         )
 
-    def update_arguments(self, width: int | None = None) -> tuple[TrainState, Batch, dict | None]:
+    def update_arguments(
+        self, width: int | None = None, packed_rows: int | None = None
+    ) -> tuple[TrainState, Batch, dict | None]:
         """The update's arguments as ShapeDtypeStructs with their shardings: the state, the
         batch `to_batch` makes (`batch_arguments`) and the reference parameters (None when
         beta is 0)."""
@@ -547,27 +569,39 @@ class Trainer:
         )
         step = jax.ShapeDtypeStruct((), jnp.int32, sharding=self.state_shardings.step)
         reference = params if self.update_config.beta > 0 else None
-        return TrainState(params, opt_state, step), self.batch_arguments(width), reference
+        batch = self.batch_arguments(width, packed_rows)
+        return TrainState(params, opt_state, step), batch, reference
 
-    def batch_arguments(self, width: int | None = None) -> Batch:
+    def batch_arguments(self, width: int | None = None, packed_rows: int | None = None) -> Batch:
         """The batch `to_batch` makes as ShapeDtypeStructs: prompts_per_step x G rows of
-        max_prompt_length + `width` tokens (None: max_new_tokens)."""
+        max_prompt_length + `width` tokens (None: max_new_tokens), packed into `packed_rows`
+        per group with `algorithm.pack_completions` (None: G)."""
         r = self.config.rollout
         width = r.max_new_tokens if width is None else width
-        rows, tokens = r.prompts_per_step * r.num_generations, r.max_prompt_length + width
+        prompts, rows = r.prompts_per_step, r.prompts_per_step * r.num_generations
+        tokens = r.max_prompt_length + width
+        packed = None
+        if self.config.algorithm.pack_completions:
+            packed_rows = self.group_size if packed_rows is None else packed_rows
+            packed = PackedCompletions(
+                source=jax.ShapeDtypeStruct((prompts * packed_rows, width), jnp.int32),
+                predictor=jax.ShapeDtypeStruct((rows, width), jnp.int32),
+            )
         return abstract_arrays(
             Batch(
                 input_ids=jax.ShapeDtypeStruct((rows, tokens), jnp.int32),
                 attention_mask=jax.ShapeDtypeStruct((rows, tokens), jnp.int32),
                 completion_mask=jax.ShapeDtypeStruct((rows, width), jnp.bool_),
                 advantages=jax.ShapeDtypeStruct((rows,), jnp.float32),
+                packed=packed,
             ),
             self.batch_shardings,
         )
 
     def compile_update_ahead(self) -> None:
         """Starts compiling the update in a background thread, for every completion width
-        (`algorithm.completion_buckets`; the widest first).
+        (`algorithm.completion_buckets`) and packed row count (`algorithm.pack_completions`),
+        the widest and most rows first.
 
         XLA compiles without holding the GIL, so the update compiles while the first rollout
         compiles and samples (on an accelerator, while the device works). The programs land
@@ -578,22 +612,28 @@ class Trainer:
 
         state, _, reference = self.update_arguments()
 
-        def compile_update(width: int) -> jax.stages.Compiled:
+        def compile_update(width: int, packed_rows: int | None) -> jax.stages.Compiled:
+            batch = self.batch_arguments(width, packed_rows)
             with rules_context(self.mesh):  # its rules are per thread
-                return self.update.lower(state, self.batch_arguments(width), reference).compile()
+                return self.update.lower(state, batch, reference).compile()
 
         pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jgrpo-compile")
-        for width in reversed(self.completion_widths):  # ascending: the widest first
-            self._update_compiling[width] = pool.submit(compile_update, width)
+        for shape in reversed(self.update_shapes):  # ascending: the largest first
+            self._update_compiling[shape] = pool.submit(compile_update, *shape)
         pool.shutdown(wait=False)  # the thread ends with its tasks
 
-    def compiled_update(self, width: int | None = None) -> jax.stages.Compiled:
+    def compiled_update(
+        self, width: int | None = None, packed_rows: int | None = None
+    ) -> jax.stages.Compiled:
         """The update compiled for this run's batch of `width` completion columns (None:
-        max_new_tokens): waits for `compile_update_ahead` (started here if it was not) and
-        raises what its compilation raised."""
+        max_new_tokens) and `packed_rows` per group (None: G, or no packing): waits for
+        `compile_update_ahead` (started here if it was not) and raises what its compilation
+        raised."""
         self.compile_update_ahead()
         width = self.config.rollout.max_new_tokens if width is None else width
-        return self._update_compiling[width].result()
+        if self.config.algorithm.pack_completions and packed_rows is None:
+            packed_rows = self.group_size
+        return self._update_compiling[width, packed_rows].result()
 
     def rollout_program(self, sampling: SamplingConfig, num_generations: int) -> Callable:
         """`jgrpo.sampling.rollout` jitted with the prompts split over the batch axes."""
@@ -781,17 +821,44 @@ class Trainer:
         longest = distributed.agree_max(int(used[-1]) + 1 if used.size else 0)
         return next(width for width in self.completion_widths if width >= longest)
 
-    def to_batch(self, groups: Groups, advantages: np.ndarray, width: int | None = None) -> Batch:
-        """The update's batch; `width` keeps the first `width` completion columns (None: all)."""
+    def packed_rows(self, groups: Groups, width: int) -> int | None:
+        """The fewest of `packed_row_counts(G)` rows of `width` slots that hold every group's
+        completions, on every process (None without `algorithm.pack_completions`)."""
+        if not self.config.algorithm.pack_completions:
+            return None
+        lengths = completion_lengths(groups.mask[:, :width])
+        needed = distributed.agree_max(rows_needed(lengths, self.group_size, width))
+        return next(rows for rows in packed_row_counts(self.group_size) if rows >= needed)
+
+    def to_batch(
+        self,
+        groups: Groups,
+        advantages: np.ndarray,
+        width: int | None = None,
+        packed_rows: int | None = None,
+    ) -> Batch:
+        """The update's batch; `width` keeps the first `width` completion columns (None: all),
+        and with `algorithm.pack_completions` each group's completions are packed into
+        `packed_rows` rows (None: G)."""
         tokens, mask = groups.tokens[:, :width], groups.mask[:, :width]
         completion_mask = mask
         if self.config.algorithm.mask_truncated:
             completion_mask = completion_mask & ~groups.truncated[:, None]
+        packed = None
+        if self.config.algorithm.pack_completions:
+            packed = pack_completions(
+                completion_lengths(mask),
+                group_size=self.group_size,
+                width=tokens.shape[1],
+                rows_per_group=self.group_size if packed_rows is None else packed_rows,
+                prompt_length=groups.prompt_ids.shape[1],
+            )
         batch = Batch(
             input_ids=np.concatenate([groups.prompt_ids, tokens], axis=1),
             attention_mask=np.concatenate([groups.prompt_mask, mask.astype(np.int32)], axis=1),
             completion_mask=completion_mask,
             advantages=np.asarray(advantages, np.float32),
+            packed=packed,
         )
         return jax.tree.map(self.block.to_global, batch, self.batch_shardings)
 
@@ -883,10 +950,11 @@ class Trainer:
         groups, metrics, position = self.collect(state.params, ref_params, key, position)
         advantages = self.advantages(groups)
         width = self.completion_width(groups)
-        batch = self.to_batch(groups, advantages, width)
+        packed_rows = self.packed_rows(groups, width)
+        batch = self.to_batch(groups, advantages, width, packed_rows)
 
         update_start = time.perf_counter()
-        self.compiled_update(width)  # compiled ahead: at the first steps, wait for it
+        self.compiled_update(width, packed_rows)  # compiled ahead: at first, wait for it
         with rules_context(self.mesh):
             state, update = self.update(
                 state, batch, ref_params if self.update_config.beta > 0 else None
@@ -894,6 +962,8 @@ class Trainer:
         metrics.update(_update_metrics(jax.device_get(update)))
         metrics["time/update"] = time.perf_counter() - update_start
         metrics["completion_width"] = width
+        if packed_rows is not None:
+            metrics["packed_rows"] = packed_rows
         valid = self.block.gather(advantages)[self.block.gather(groups.valid)]
         metrics["advantage/mean"] = float(valid.mean()) if valid.size else 0.0
         metrics["advantage/std"] = float(valid.std()) if valid.size else 0.0

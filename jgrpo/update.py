@@ -24,7 +24,7 @@ import optax
 from jgrpo.logprobs import chunked_token_logprobs
 from jgrpo.losses import grpo_loss
 from models.config import ModelConfig
-from models.group_forward import group_completion_hidden
+from models.group_forward import PackedCompletions, group_completion_hidden
 from models.transformer import forward, unembedding, with_matmul_weights
 
 
@@ -97,12 +97,17 @@ class TrainState(NamedTuple):
 
 
 class Batch(NamedTuple):
-    """One rollout: B = prompts x generations sequences of prompt (L) + completion (N)."""
+    """One rollout: B = prompts x generations sequences of prompt (L) + completion (N).
+
+    `packed` (`jgrpo.packing.pack_completions`) runs each group's completions in fewer rows
+    than G; it needs `UpdateConfig.shared_prompt_rows` = G.
+    """
 
     input_ids: jax.Array  # int32[B, L + N]: left-padded prompt, then completion
     attention_mask: jax.Array  # int32[B, L + N]: real prompt and completion tokens
     completion_mask: jax.Array  # [B, N]: completion tokens that enter the loss
     advantages: jax.Array  # f32[B]
+    packed: PackedCompletions | None = None
 
 
 @functools.lru_cache(maxsize=32)
@@ -158,7 +163,8 @@ def completion_logprobs(
     """Log-prob and entropy of every completion token under `params` (no [B, T, V] logits).
 
     `shared_prompt_rows` = G > 1 promises that each G consecutive rows repeat one prompt;
-    the prompt then runs once per group (`models.group_forward`), with equal results.
+    the prompt then runs once per group (`models.group_forward`), with equal results. A
+    `batch.packed` packing then runs each group's completions in its packed rows.
 
     `matmul_dtype="bfloat16"` is mixed precision: the weight matrices are cast to bf16
     inside the program (`with_matmul_weights`; the parameters, and so their gradients and
@@ -170,6 +176,10 @@ def completion_logprobs(
     if matmul_dtype != "float32":
         params = with_matmul_weights(params, jnp.dtype(matmul_dtype))
     completion_length = batch.completion_mask.shape[1]
+    if batch.packed is not None and shared_prompt_rows == 1:
+        raise ValueError(
+            "a packed batch needs shared_prompt_rows = G > 1 (packing is per group of rows)."
+        )
     if shared_prompt_rows > 1:
         predicting = group_completion_hidden(
             params,
@@ -178,6 +188,7 @@ def completion_logprobs(
             config=model_config,
             group_size=shared_prompt_rows,
             completion_length=completion_length,
+            packed=batch.packed,
         )  # [B, N, E]
     else:
         hidden = forward(

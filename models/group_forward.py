@@ -25,6 +25,8 @@ Rows are prompt-major (row p * G + g answers prompt p). Dimension letters as in
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
@@ -40,6 +42,19 @@ from models.transformer import (
 )
 
 
+class PackedCompletions(NamedTuple):
+    """Where each completion token sits when a group's G rows are packed into Gb <= G rows
+    of the same N slots (`jgrpo.packing.pack_completions` builds it).
+
+    Indices are within a group, so a batch's groups (and processes' blocks of groups) pack
+    independently: row g's token t is completion token g * N + t of its group, and its
+    group's token matrix holds the Lp prompt tokens, then the Gb packed rows' slots.
+    """
+
+    source: jax.Array  # int32[P * Gb, N]: completion token g * N + t in each slot; -1 if empty
+    predictor: jax.Array  # int32[B, N]: group token (< Lp + Gb * N) that predicts row b's token t
+
+
 def group_completion_hidden(
     params: dict,
     input_ids: jax.Array,  # int[B, Lp + N]: left-padded prompt, then completion
@@ -48,6 +63,7 @@ def group_completion_hidden(
     config: ModelConfig,
     group_size: int,
     completion_length: int,
+    packed: PackedCompletions | None = None,
 ) -> jax.Array:  # [B, N, E]
     """Final hidden states at the N positions that predict each row's completion tokens.
 
@@ -55,6 +71,12 @@ def group_completion_hidden(
     return_hidden=True)[:, -N - 1 : -1]`, provided every group of `group_size` consecutive
     rows repeats one prompt (ids and mask of the first Lp tokens): only the first row of each
     group is read for the prompt.
+
+    With `packed`, each group's real completion tokens run in its Gb packed rows instead of
+    its G padded ones: a token attends to its prompt and to the earlier tokens of its own
+    completion only, at the position it has in its row, so the real positions' results are
+    equal up to rounding while the layers see P * (Lp + Gb * N) tokens. Positions that hold
+    no real completion token get finite values of no meaning (mask them, as the loss does).
     """
     rows, total = input_ids.shape
     if group_size < 1 or rows % group_size:
@@ -65,61 +87,82 @@ def group_completion_hidden(
     prompt_length = total - n
     prompts = rows // group_size
     attention_mask = attention_mask.astype(jnp.int32)
-    positions = jnp.maximum(jnp.cumsum(attention_mask, axis=1) - 1, 0)  # [B, Lp + N]
-
-    def per_prompt(prompt_part, completion_part):  # [P, Lp, ...], [B, N, ...]
-        """[P, Lp + G * N, ...]: a prompt's tokens, then its G rows' completion tokens."""
-        completions = completion_part.reshape(prompts, group_size * n, *completion_part.shape[2:])
-        return jnp.concatenate([prompt_part, completions], axis=1)
-
-    def merged(x):  # [B, Lp + N, ...] -> [P, Lp + G * N, ...]
-        """Each prompt's tokens, read from its group's first row, then its rows' completions."""
-        return per_prompt(x[::group_size, :prompt_length], x[:, prompt_length:])
-
-    token_ids = merged(input_ids)
-    cos, sin = rope_tables(config, merged(positions))  # [P, Lp + G * N, D/2] each
     prompt_mask = attention_mask[::group_size, :prompt_length]  # [P, Lp]
-    completion_key_mask = attention_mask[:, prompt_length:]  # [B, N]
+    positions = jnp.maximum(jnp.cumsum(attention_mask, axis=1) - 1, 0)  # [B, Lp + N]
+    prompt_positions = positions[::group_size, :prompt_length]  # [P, Lp]
+    prompt_ids = input_ids[::group_size, :prompt_length]  # [P, Lp]
+    if packed is None:  # unit = a row: G units of N slots per prompt
+        units_per_prompt = group_size
+        unit_ids = input_ids[:, prompt_length:]  # [B, N]
+        unit_positions = positions[:, prompt_length:]  # [B, N]
+        unit_key_mask = attention_mask[:, prompt_length:].astype(bool)  # [B, N]
+        own_mask = jnp.tril(jnp.ones((n, n), bool)) & unit_key_mask[:, None, :]  # [B, N, N]
+    else:  # unit = a packed row: Gb units of N slots per prompt
+        if packed.source.shape[0] % prompts or packed.source.shape[1] != n:
+            raise ValueError(
+                f"packed.source has shape {packed.source.shape}; expected [{prompts} x packed "
+                f"rows per group, {n}] for {prompts} groups of {n} completion slots."
+            )
+        units_per_prompt = packed.source.shape[0] // prompts
+        source = packed.source.reshape(prompts, units_per_prompt * n)  # [P, Gb * N]
+        taken = jnp.maximum(source, 0)
+        group_ids = input_ids[:, prompt_length:].reshape(prompts, group_size * n)  # [P, G * N]
+        unit_ids = jnp.take_along_axis(group_ids, taken, axis=1).reshape(-1, n)  # [P * Gb, N]
+        # token t of a completion sits at its prompt's real length + t, as in its padded row
+        unit_positions = (prompt_mask.sum(1)[:, None] + taken % n).reshape(-1, n)
+        completion = jnp.where(packed.source >= 0, packed.source // n, -1)  # [P * Gb, N]
+        causal = jnp.tril(jnp.ones((n, n), bool))  # slots in order within a completion
+        own_mask = causal & (completion[:, :, None] == completion[:, None, :])
+        own_mask &= (completion >= 0)[:, None, :]  # [P * Gb, N, N]
+    units = prompts * units_per_prompt
+
+    def per_prompt(prompt_part, unit_part):  # [P, Lp, ...], [P * U, N, ...]
+        """[P, Lp + U * N, ...]: a prompt's tokens, then its U units' completion slots."""
+        slots = unit_part.reshape(prompts, units_per_prompt * n, *unit_part.shape[2:])
+        return jnp.concatenate([prompt_part, slots], axis=1)
+
+    token_ids = per_prompt(prompt_ids, unit_ids)  # [P, Lp + U * N]
+    cos, sin = rope_tables(config, per_prompt(prompt_positions, unit_positions))
     # Prompt tokens attend causally within their prompt; completion tokens to their prompt's
-    # real tokens and causally to their own row's real tokens.
+    # real tokens and causally to their own completion's real tokens.
     prompt_causal = jnp.tril(jnp.ones((prompt_length, prompt_length), bool))  # [Lp, Lp]
     prompt_attention_mask = prompt_causal & prompt_mask[:, None, :].astype(bool)  # [P, Lp, Lp]
-    row_prompt_mask = jnp.repeat(prompt_mask, group_size, axis=0).astype(bool)  # [B, Lp]
-    completion_causal = jnp.tril(jnp.ones((n, n), bool))  # [N, N]
-    completion_attention_mask = jnp.concatenate(
-        [
-            jnp.broadcast_to(row_prompt_mask[:, None, :], (rows, n, prompt_length)),
-            completion_causal & completion_key_mask[:, None, :].astype(bool),
-        ],
+    unit_prompt_mask = jnp.repeat(prompt_mask, units_per_prompt, axis=0).astype(bool)  # [P * U, Lp]
+    unit_attention_mask = jnp.concatenate(
+        [jnp.broadcast_to(unit_prompt_mask[:, None, :], (units, n, prompt_length)), own_mask],
         axis=2,
-    )  # [B, N, Lp + N]
+    )  # [P * U, N, Lp + N]
 
-    def by_row(x):  # [P, G * N, ...] -> [B, N, ...]
-        return x.reshape(rows, n, *x.shape[2:])
+    def by_unit(x):  # [P, U * N, ...] -> [P * U, N, ...]
+        return x.reshape(units, n, *x.shape[2:])
 
-    def layer(x, layer_params):  # x [P, Lp + G * N, E]
+    def layer(x, layer_params):  # x [P, Lp + U * N, E]
         q, k, v = token_major_attention_inputs(config, layer_params, x, cos, sin)
-        # q [P, Lp + G*N, H, D]; k, v [P, Lp + G*N, K, D]
+        # q [P, Lp + U*N, H, D]; k, v [P, Lp + U*N, K, D]
         prompt_k = k[:, :prompt_length].transpose(0, 2, 1, 3)  # [P, K, Lp, D]
         prompt_v = v[:, :prompt_length].transpose(0, 2, 1, 3)
         prompt_attention = grouped_query_attention(
             q[:, :prompt_length], prompt_k, prompt_v, prompt_attention_mask
         )  # [P, Lp, H, D]
-        own_k = by_row(k[:, prompt_length:]).transpose(0, 2, 1, 3)  # [B, K, N, D]
-        own_v = by_row(v[:, prompt_length:]).transpose(0, 2, 1, 3)
-        keys = jnp.concatenate([jnp.repeat(prompt_k, group_size, axis=0), own_k], axis=2)
-        values = jnp.concatenate([jnp.repeat(prompt_v, group_size, axis=0), own_v], axis=2)
-        completion_attention = grouped_query_attention(
-            by_row(q[:, prompt_length:]), keys, values, completion_attention_mask
-        )  # [B, N, H, D]
-        attention = per_prompt(prompt_attention, completion_attention)  # [P, Lp + G*N, H, D]
+        own_k = by_unit(k[:, prompt_length:]).transpose(0, 2, 1, 3)  # [P * U, K, N, D]
+        own_v = by_unit(v[:, prompt_length:]).transpose(0, 2, 1, 3)
+        keys = jnp.concatenate([jnp.repeat(prompt_k, units_per_prompt, axis=0), own_k], axis=2)
+        values = jnp.concatenate([jnp.repeat(prompt_v, units_per_prompt, axis=0), own_v], axis=2)
+        unit_attention = grouped_query_attention(
+            by_unit(q[:, prompt_length:]), keys, values, unit_attention_mask
+        )  # [P * U, N, H, D]
+        attention = per_prompt(prompt_attention, unit_attention)  # [P, Lp + U*N, H, D]
         return finish_layer(config, layer_params, x, attention), None
 
     if config.remat:
         layer = jax.checkpoint(layer, prevent_cse=False)
-    x = embed_tokens(params["embed"], token_ids)  # [P, Lp + G * N, E]
+    x = embed_tokens(params["embed"], token_ids)  # [P, Lp + U * N, E]
     x, _ = over_layers(layer, x, params["layers"], config.num_layers)
-    last_prompt = jnp.repeat(x[:, prompt_length - 1 : prompt_length], group_size, axis=0)
-    completion_x = by_row(x[:, prompt_length:])  # [B, N, E]
-    predicting = jnp.concatenate([last_prompt, completion_x[:, :-1]], axis=1)  # [B, N, E]
+    if packed is None:
+        last_prompt = jnp.repeat(x[:, prompt_length - 1 : prompt_length], group_size, axis=0)
+        completion_x = by_unit(x[:, prompt_length:])  # [B, N, E]
+        predicting = jnp.concatenate([last_prompt, completion_x[:, :-1]], axis=1)  # [B, N, E]
+    else:
+        index = packed.predictor.reshape(prompts, group_size * n)  # [P, G * N]
+        predicting = jnp.take_along_axis(x, index[:, :, None], axis=1).reshape(rows, n, -1)
     return rms_norm(predicting, params["final_norm"], config.rms_norm_eps)

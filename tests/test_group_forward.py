@@ -9,6 +9,7 @@ import optax
 import pytest
 from tiny_hf import FAMILIES, VOCAB
 
+from jgrpo.packing import completion_lengths, pack_completions, rows_needed
 from jgrpo.update import Batch, UpdateConfig, init_state, train_step
 from models.group_forward import group_completion_hidden
 from models.hf import from_pretrained
@@ -17,9 +18,10 @@ from models.transformer import forward
 PROMPTS, GROUP, PROMPT_LENGTH, NEW_TOKENS = 3, 4, 7, 5
 
 
-def group_batch(seed=0, vocab=VOCAB):
+def group_batch(seed=0, vocab=VOCAB, lengths=None):
     """Prompt-major rows: 3 prompts (left-padded to 7, one of a single token) x 4 completions,
-    each stopping after 1-5 tokens (later slots masked, as a rollout leaves them)."""
+    each stopping after 1-5 tokens (later slots masked, as a rollout leaves them); `lengths`
+    [12] sets the completions' lengths instead."""
     rng = np.random.default_rng(seed)
     rows = PROMPTS * GROUP
     prompt_ids = rng.integers(3, vocab, (PROMPTS, PROMPT_LENGTH))
@@ -29,6 +31,8 @@ def group_batch(seed=0, vocab=VOCAB):
     completion_ids = rng.integers(3, vocab, (rows, NEW_TOKENS))
     completion_mask = np.arange(NEW_TOKENS)[None] < rng.integers(1, NEW_TOKENS + 1, (rows, 1))
     completion_mask[0] = True  # one row uses every slot
+    if lengths is not None:
+        completion_mask = np.arange(NEW_TOKENS)[None] < np.asarray(lengths)[:, None]
     input_ids = np.concatenate([np.repeat(prompt_ids, GROUP, 0), completion_ids], axis=1)
     attention_mask = np.concatenate([np.repeat(prompt_mask, GROUP, 0), completion_mask], axis=1)
     return Batch(
@@ -61,6 +65,26 @@ def shared_hidden(params, batch, config):
     )
 
 
+def packed_hidden(params, batch, config, rows_per_group=None):
+    lengths = completion_lengths(np.asarray(batch.completion_mask))
+    packed = pack_completions(
+        lengths,
+        group_size=GROUP,
+        width=NEW_TOKENS,
+        rows_per_group=rows_per_group or rows_needed(lengths, GROUP, NEW_TOKENS),
+        prompt_length=PROMPT_LENGTH,
+    )
+    return group_completion_hidden(
+        params,
+        batch.input_ids,
+        batch.attention_mask,
+        config=config,
+        group_size=GROUP,
+        completion_length=NEW_TOKENS,
+        packed=jax.tree.map(jnp.asarray, packed),
+    )
+
+
 def predicting_mask(batch):
     """[B, N] positions whose hidden state predicts a real completion token."""
     return np.asarray(batch.completion_mask)
@@ -90,6 +114,37 @@ def test_group_forward_equals_the_plain_forward(family, hf_checkpoint):
         return lambda p: jnp.sum(hidden_of(p, batch, config) * weights * real[..., None])
 
     got = jax.grad(loss(shared_hidden))(params)
+    expected = jax.grad(loss(plain_hidden))(params)
+    for (path, a), b in zip(
+        jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(expected), strict=True
+    ):
+        scale = float(jnp.abs(b).max())
+        np.testing.assert_allclose(a, b, atol=1e-5 * scale, rtol=0, err_msg=str(path))
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+def test_packed_group_forward_equals_the_plain_forward(family, hf_checkpoint):
+    """A group's completions packed into fewer rows: the same hidden states at the real
+    positions, and the same parameter gradients (qk-norm included with qwen3)."""
+    model = from_pretrained(hf_checkpoint(family)[0])
+    params, config = model.params(), model.config
+    # groups of lengths: 5 2 3 1 (3 packed rows: 5 | 3 2 | 1), 1 1 4 2 (2 rows: 4 1 | 2 1),
+    # 0 5 2 2 (2 rows: 5 | 2 2; an empty completion)
+    batch = group_batch(seed=3, lengths=[5, 2, 3, 1, 1, 1, 4, 2, 0, 5, 2, 2])
+    lengths = completion_lengths(np.asarray(batch.completion_mask))
+    assert rows_needed(lengths, GROUP, NEW_TOKENS) == 3
+    real = predicting_mask(batch)
+    expected = np.asarray(plain_hidden(params, batch, config))[real]
+    for rows in (rows_needed(lengths, GROUP, NEW_TOKENS), GROUP):  # empty packed rows too
+        got = np.asarray(packed_hidden(params, batch, config, rows))[real]
+        np.testing.assert_allclose(got, expected, atol=1e-5, rtol=0)
+
+    weights = jax.random.normal(jax.random.key(1), (NEW_TOKENS, config.hidden_size))
+
+    def loss(hidden_of):
+        return lambda p: jnp.sum(hidden_of(p, batch, config) * weights * real[..., None])
+
+    got = jax.grad(loss(packed_hidden))(params)
     expected = jax.grad(loss(plain_hidden))(params)
     for (path, a), b in zip(
         jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(expected), strict=True
@@ -140,6 +195,76 @@ def test_train_step_with_shared_prompt_rows_equals_the_plain_update(update, hf_c
     assert shared_metrics.keys() == plain_metrics.keys()
     for name, value in plain_metrics.items():
         np.testing.assert_allclose(shared_metrics[name], value, atol=1e-5, rtol=1e-5, err_msg=name)
+
+
+def packed_batch(batch, rows_per_group):
+    lengths = completion_lengths(np.asarray(batch.completion_mask))
+    packed = pack_completions(
+        lengths,
+        group_size=GROUP,
+        width=NEW_TOKENS,
+        rows_per_group=rows_per_group,
+        prompt_length=PROMPT_LENGTH,
+    )
+    return batch._replace(packed=jax.tree.map(jnp.asarray, packed))
+
+
+@pytest.mark.parametrize(
+    "update",
+    [
+        {"beta": 0.1, "grad_accumulation": 3, "loss_type": "grpo"},
+        {"num_minibatches": 3, "loss_type": "dapo"},
+        {"num_iterations": 2, "loss_type": "dr_grpo", "max_completion_length": NEW_TOKENS},
+    ],
+)
+def test_train_step_on_packed_completions_equals_the_padded_update(update, hf_checkpoint):
+    """Each group's completions packed into 3 rows instead of 4: the same parameters and
+    metrics, for the loss types' different token and sequence sums, the reference pass, old
+    log-probs (several minibatches, a second pass) and micro-batches."""
+    model = from_pretrained(hf_checkpoint("llama3")[0])
+    params, config = model.params(), model.config
+    batch = group_batch(seed=4, lengths=[5, 2, 3, 1, 1, 1, 4, 2, 0, 5, 2, 2])
+    sgd = optax.sgd(1.0)
+
+    def run(run_batch):
+        state = init_state(jax.tree.map(jnp.copy, params), sgd)
+        return train_step(
+            state,
+            run_batch,
+            params if "beta" in update else None,
+            model_config=config,
+            update_config=UpdateConfig(**update, shared_prompt_rows=GROUP),
+            optimizer=sgd,
+        )
+
+    (padded, padded_metrics), (packed, packed_metrics) = run(batch), run(packed_batch(batch, 3))
+    leaves = zip(
+        jax.tree.leaves(packed.params),
+        jax.tree.leaves(padded.params),
+        jax.tree.leaves(params),
+        strict=True,
+    )
+    for a, b, before in leaves:  # each leaf's change, to 1e-5 of its largest entry
+        change = np.asarray(b - before)
+        bound = 1e-5 * np.abs(change).max()
+        np.testing.assert_allclose(np.asarray(a - before), change, atol=bound, rtol=0)
+    assert packed_metrics.keys() == padded_metrics.keys()
+    for name, value in padded_metrics.items():
+        np.testing.assert_allclose(packed_metrics[name], value, atol=1e-5, rtol=1e-5, err_msg=name)
+
+
+def test_a_packed_batch_needs_whole_groups(hf_checkpoint):
+    model = from_pretrained(hf_checkpoint("llama3")[0])
+    sgd = optax.sgd(1.0)
+    batch = packed_batch(group_batch(lengths=[5, 2, 3, 1, 1, 1, 4, 2, 0, 5, 2, 2]), 3)
+    with pytest.raises(ValueError, match="a packed batch needs shared_prompt_rows = G > 1"):
+        train_step(
+            init_state(model.params(), sgd),
+            batch,
+            model_config=model.config,
+            update_config=UpdateConfig(),
+            optimizer=sgd,
+        )
 
 
 def test_shared_prompt_rows_must_split_micro_batches_into_whole_groups(hf_checkpoint):

@@ -160,9 +160,8 @@ def greedy(params, prompt_ids, prompt_mask):
 
 
 def batch_shardings(batch, mesh):
-    return tree_shardings(
-        batch, Batch(*[("batch",) + (None,) * (np.ndim(x) - 1) for x in batch]), mesh
-    )
+    axes = jax.tree.map(lambda x: ("batch",) + (None,) * (np.ndim(x) - 1), batch)
+    return tree_shardings(batch, axes, mesh)
 
 
 def placed(expected, mesh):

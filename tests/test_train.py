@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from jgrpo import train as train_module
-from jgrpo.config import load_config
+from jgrpo.config import ConfigError, load_config
 from jgrpo.metrics import read_metrics
 from jgrpo.rewards import RewardError
 from jgrpo.tasks import Task
@@ -245,6 +245,58 @@ def test_the_update_runs_on_the_narrowest_width_that_holds_every_completion(
         )
 
 
+def test_packed_completions_update_as_the_padded_batch_does(tmp_path, monkeypatch, count_compiles):
+    """With pack_completions each group's completions run in the fewest packed rows that
+    hold them (here 2 of G = 4), with the padded batch's loss, gradient norm, entropy and KL;
+    every packed row count compiles ahead, so the step compiles nothing."""
+    settings = ["rollout.max_new_tokens=16", "algorithm.loss_type=grpo", "algorithm.beta=0.04"]
+    packed = train_module.Trainer(
+        tiny_config(tmp_path / "packed", *settings, "algorithm.pack_completions=true")
+    )
+    padded = train_module.Trainer(tiny_config(tmp_path / "padded", *settings))
+    assert packed.group_size == 4
+    assert packed.update_shapes == [(16, 1), (16, 2), (16, 3), (16, 4)]
+    start = count_compiles()
+    packed.compile_update_ahead()
+    programs = [packed.compiled_update(16, rows) for rows in (4, 3, 2, 1)]  # the order compiled
+    assert len({id(program) for program in programs}) == 4
+    assert packed.compiled_update() is programs[0]  # G rows: the most
+    assert count_compiles() == start + 4
+    params = packed.initial_params()
+    groups, collected, position = packed.collect(params, params, jax.random.key(0), 0)
+    # each group: completions of 10, 6, 6 and 4 tokens -> packed rows 10 + 6 and 6 + 4
+    lengths = np.tile([10, 6, 6, 4], len(groups.mask) // 4)
+    groups.mask[:] = np.arange(16)[None] < lengths[:, None]
+    groups.tokens[~groups.mask] = packed.sampling.pad_token_id
+    assert packed.packed_rows(groups, 16) == 2 and padded.packed_rows(groups, 16) is None
+    batch = packed.to_batch(groups, packed.advantages(groups), 16, 2)
+    assert batch.packed.source.shape == (len(groups.mask) // 2, 16)
+
+    metrics = {}
+    for name, trainer in (("packed", packed), ("padded", padded)):
+        monkeypatch.setattr(trainer, "collect", lambda *_: (groups, dict(collected), position))
+        state = trainer.initial_state(jax.tree.map(jnp.copy, params))
+        before = count_compiles()
+        _, metrics[name], _ = trainer.step(state, params, 0, 0)
+        if name == "packed":
+            assert count_compiles() == before  # 2 packed rows: compiled ahead
+    assert metrics["packed"]["packed_rows"] == 2 and "packed_rows" not in metrics["padded"]
+    assert metrics["padded"]["grad_norm"] > 0
+    for name in ("loss", "grad_norm", "entropy", "kl"):
+        np.testing.assert_allclose(
+            metrics["packed"][name], metrics["padded"][name], rtol=1e-5, atol=1e-8
+        )
+
+
+def test_pack_completions_needs_the_shared_prompt_update(tmp_path):
+    with pytest.raises(ConfigError, match="algorithm.pack_completions packs each group's"):
+        train_module.Trainer(
+            tiny_config(
+                tmp_path, "algorithm.pack_completions=true", "algorithm.shared_prompt_forward=false"
+            )
+        )
+
+
 def test_an_error_while_compiling_ahead_reaches_the_caller(tmp_path):
     trainer = train_module.Trainer(tiny_config(tmp_path))
 
@@ -262,7 +314,7 @@ def test_an_error_while_compiling_ahead_reaches_the_caller(tmp_path):
 KILL_SCRIPT = textwrap.dedent(
     """
     import sys, time
-    from jgrpo.config import load_config
+    from jgrpo.config import ConfigError, load_config
     from jgrpo.train import train
     config = load_config(None, sys.argv[1:])
     # A pause after each step, so the parent's signal lands between steps.
