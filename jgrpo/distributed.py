@@ -201,6 +201,14 @@ def agree_max(value: int) -> int:
     return int(np.max(multihost_utils.process_allgather(np.array(int(value)))))
 
 
+def agree_max_each(values: Sequence[int]) -> list[int]:
+    """The largest of every process's `values[i]` for each i, on every process (a collective)."""
+    if jax.process_count() == 1:
+        return [int(value) for value in values]
+    gathered = multihost_utils.process_allgather(np.asarray(values, np.int64))  # [processes, n]
+    return [int(value) for value in np.max(gathered, axis=0)]
+
+
 def agree_all(flag: bool) -> bool:
     """True on every process when `flag` is true on all of them (a collective)."""
     return not agree_any(not flag)

@@ -821,14 +821,34 @@ class Trainer:
         longest = distributed.agree_max(int(used[-1]) + 1 if used.size else 0)
         return next(width for width in self.completion_widths if width >= longest)
 
-    def packed_rows(self, groups: Groups, width: int) -> int | None:
-        """The fewest of `packed_row_counts(G)` rows of `width` slots that hold every group's
-        completions, on every process (None without `algorithm.pack_completions`)."""
+    def update_shape(self, groups: Groups) -> tuple[int, int | None]:
+        """The completion width and packed rows per group (None: no packing) of the step's
+        update, the same on every process.
+
+        Without `algorithm.pack_completions`: the narrowest width that holds every
+        completion. With it: of the widths that hold every completion, each with the fewest
+        of `packed_row_counts(G)` rows that hold every group's completions, the pair with
+        the fewest slots per group (width x rows; on a tie the narrower width). A narrower
+        width can need more rows: short completions pack better into wide rows.
+        """
         if not self.config.algorithm.pack_completions:
-            return None
-        lengths = completion_lengths(groups.mask[:, :width])
-        needed = distributed.agree_max(rows_needed(lengths, self.group_size, width))
-        return next(rows for rows in packed_row_counts(self.group_size) if rows >= needed)
+            return self.completion_width(groups), None
+        g = self.group_size
+        lengths = completion_lengths(groups.mask)
+        longest = int(lengths.max(initial=0))
+        # rows each width needs here; G + 1 marks a width some completion does not fit
+        needed = [
+            rows_needed(lengths, g, width) if longest <= width else g + 1
+            for width in self.completion_widths
+        ]
+        choices = []
+        agreed = distributed.agree_max_each(needed)
+        for width, rows in zip(self.completion_widths, agreed, strict=True):
+            if rows <= g:
+                rows = next(count for count in packed_row_counts(g) if count >= rows)
+                choices.append((width * rows, width, rows))
+        _, width, rows = min(choices)
+        return width, rows
 
     def to_batch(
         self,
@@ -949,8 +969,7 @@ class Trainer:
         key = jax.random.fold_in(jax.random.key(self.config.train.seed), step)
         groups, metrics, position = self.collect(state.params, ref_params, key, position)
         advantages = self.advantages(groups)
-        width = self.completion_width(groups)
-        packed_rows = self.packed_rows(groups, width)
+        width, packed_rows = self.update_shape(groups)
         batch = self.to_batch(groups, advantages, width, packed_rows)
 
         update_start = time.perf_counter()

@@ -24,7 +24,11 @@ import optax
 from jgrpo.logprobs import chunked_token_logprobs
 from jgrpo.losses import grpo_loss
 from models.config import ModelConfig
-from models.group_forward import PackedCompletions, group_completion_hidden
+from models.group_forward import (
+    PackedCompletions,
+    group_completion_hidden,
+    packed_head_inputs,
+)
 from models.transformer import forward, unembedding, with_matmul_weights
 
 
@@ -164,7 +168,8 @@ def completion_logprobs(
 
     `shared_prompt_rows` = G > 1 promises that each G consecutive rows repeat one prompt;
     the prompt then runs once per group (`models.group_forward`), with equal results. A
-    `batch.packed` packing then runs each group's completions in its packed rows.
+    `batch.packed` packing then runs each group's completions in its packed rows, and the
+    log-prob head reads the packed tokens rather than every padded position.
 
     `matmul_dtype="bfloat16"` is mixed precision: the weight matrices are cast to bf16
     inside the program (`with_matmul_weights`; the parameters, and so their gradients and
@@ -180,6 +185,20 @@ def completion_logprobs(
         raise ValueError(
             "a packed batch needs shared_prompt_rows = G > 1 (packing is per group of rows)."
         )
+    if batch.packed is not None:  # the head reads the packed tokens, not B x N positions
+        hidden, targets, index = packed_head_inputs(
+            params,
+            batch.input_ids,
+            batch.attention_mask,
+            batch.packed,
+            config=model_config,
+            group_size=shared_prompt_rows,
+            completion_length=completion_length,
+        )  # [M, E], [M], [B, N]
+        logprobs, entropy = chunked_token_logprobs(
+            hidden, unembedding(params), targets, temperature=temperature, chunk_size=chunk_size
+        )  # [M] each
+        return logprobs[index], entropy[index]
     if shared_prompt_rows > 1:
         predicting = group_completion_hidden(
             params,
@@ -188,7 +207,6 @@ def completion_logprobs(
             config=model_config,
             group_size=shared_prompt_rows,
             completion_length=completion_length,
-            packed=batch.packed,
         )  # [B, N, E]
     else:
         hidden = forward(

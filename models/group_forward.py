@@ -78,6 +78,69 @@ def group_completion_hidden(
     equal up to rounding while the layers see P * (Lp + Gb * N) tokens. Positions that hold
     no real completion token get finite values of no meaning (mask them, as the loss does).
     """
+    x = _group_layers(
+        params, input_ids, attention_mask, config, group_size, completion_length, packed
+    )
+    rows, n = input_ids.shape[0], completion_length
+    prompt_length = input_ids.shape[1] - n
+    if packed is None:
+        last_prompt = jnp.repeat(x[:, prompt_length - 1 : prompt_length], group_size, axis=0)
+        completion_x = x[:, prompt_length:].reshape(rows, n, -1)  # [B, N, E]
+        predicting = jnp.concatenate([last_prompt, completion_x[:, :-1]], axis=1)  # [B, N, E]
+    else:
+        index = packed.predictor.reshape(rows // group_size, group_size * n)  # [P, G * N]
+        predicting = jnp.take_along_axis(x, index[:, :, None], axis=1).reshape(rows, n, -1)
+    return rms_norm(predicting, params["final_norm"], config.rms_norm_eps)
+
+
+def packed_head_inputs(
+    params: dict,
+    input_ids: jax.Array,  # int[B, Lp + N]: left-padded prompt, then completion
+    attention_mask: jax.Array,  # [B, Lp + N]: 1 on real tokens
+    packed: PackedCompletions,
+    *,
+    config: ModelConfig,
+    group_size: int,
+    completion_length: int,
+) -> tuple[jax.Array, jax.Array, jax.Array]:  # f32[M, E], int[M], int[B, N]
+    """The packed forward's final hidden states where the unembedding should read them.
+
+    Returns (hidden, targets, index) with M = B + P * Gb * N: each row's prompt's last token
+    (it predicts the row's first completion token), then every packed slot (it predicts the
+    token in the slot after it). A log-prob computed from hidden[m] and targets[m] belongs
+    to completion position index[b, t]: so the log-prob head runs on the packed tokens, not
+    on all B * N padded positions. Positions that predict no real token read a position of
+    no meaning (mask them, as the loss does).
+    """
+    x = _group_layers(
+        params, input_ids, attention_mask, config, group_size, completion_length, packed
+    )
+    rows, n = input_ids.shape[0], completion_length
+    prompt_length, prompts = input_ids.shape[1] - n, rows // group_size
+    slots = x.shape[1] - prompt_length  # Gb * N per group
+    first = jnp.repeat(x[:, prompt_length - 1], group_size, axis=0)  # [B, E]
+    hidden = jnp.concatenate([first, x[:, prompt_length:].reshape(prompts * slots, -1)])
+    hidden = rms_norm(hidden, params["final_norm"], config.rms_norm_eps)  # [M, E]
+    slot_ids = jnp.take_along_axis(
+        input_ids[:, prompt_length:].reshape(prompts, group_size * n),
+        jnp.maximum(packed.source.reshape(prompts, slots), 0),
+        axis=1,
+    )  # [P, Gb * N]
+    # a used slot's next slot holds the next token of its completion
+    next_ids = jnp.concatenate([slot_ids[:, 1:], slot_ids[:, :1]], axis=1)
+    targets = jnp.concatenate([input_ids[:, prompt_length], next_ids.reshape(-1)])  # [M]
+    # predictor < Lp: the prompt's last token (row b's first token, or padding)
+    group = jnp.arange(rows, dtype=jnp.int32)[:, None] // group_size  # [B, 1]
+    in_slots = rows + group * slots + packed.predictor - prompt_length  # [B, N]
+    own_first = jnp.arange(rows, dtype=jnp.int32)[:, None]
+    index = jnp.where(packed.predictor >= prompt_length, in_slots, own_first)  # [B, N]
+    return hidden, targets, index
+
+
+def _group_layers(
+    params, input_ids, attention_mask, config, group_size, completion_length, packed
+) -> jax.Array:  # [P, Lp + U * N, E]: each prompt's tokens, then its U units' slots
+    """The layers over each prompt's tokens and its rows' (or packed rows') completion slots."""
     rows, total = input_ids.shape
     if group_size < 1 or rows % group_size:
         raise ValueError(f"{rows} rows do not split into groups of group_size={group_size}.")
@@ -158,11 +221,4 @@ def group_completion_hidden(
         layer = jax.checkpoint(layer, prevent_cse=False)
     x = embed_tokens(params["embed"], token_ids)  # [P, Lp + U * N, E]
     x, _ = over_layers(layer, x, params["layers"], config.num_layers)
-    if packed is None:
-        last_prompt = jnp.repeat(x[:, prompt_length - 1 : prompt_length], group_size, axis=0)
-        completion_x = by_unit(x[:, prompt_length:])  # [B, N, E]
-        predicting = jnp.concatenate([last_prompt, completion_x[:, :-1]], axis=1)  # [B, N, E]
-    else:
-        index = packed.predictor.reshape(prompts, group_size * n)  # [P, G * N]
-        predicting = jnp.take_along_axis(x, index[:, :, None], axis=1).reshape(rows, n, -1)
-    return rms_norm(predicting, params["final_norm"], config.rms_norm_eps)
+    return x

@@ -10,8 +10,8 @@ import pytest
 from tiny_hf import FAMILIES, VOCAB
 
 from jgrpo.packing import completion_lengths, pack_completions, rows_needed
-from jgrpo.update import Batch, UpdateConfig, init_state, train_step
-from models.group_forward import group_completion_hidden
+from jgrpo.update import Batch, UpdateConfig, completion_logprobs, init_state, train_step
+from models.group_forward import group_completion_hidden, packed_head_inputs
 from models.hf import from_pretrained
 from models.transformer import forward
 
@@ -251,6 +251,43 @@ def test_train_step_on_packed_completions_equals_the_padded_update(update, hf_ch
     assert packed_metrics.keys() == padded_metrics.keys()
     for name, value in padded_metrics.items():
         np.testing.assert_allclose(packed_metrics[name], value, atol=1e-5, rtol=1e-5, err_msg=name)
+
+
+def test_packed_log_probs_read_only_the_packed_tokens(hf_checkpoint):
+    """The log-prob head of a packed batch runs on B + P * Gb * N positions (each row's
+    first prediction, then the packed slots), with the padded batch's log-probs and
+    entropies at every real completion position."""
+    model = from_pretrained(hf_checkpoint("qwen2")[0])
+    params, config = model.params(), model.config
+    batch = group_batch(seed=5, lengths=[5, 2, 3, 1, 1, 1, 4, 2, 0, 5, 2, 2])
+    packed = packed_batch(batch, 3)
+    hidden, targets, index = packed_head_inputs(
+        params,
+        packed.input_ids,
+        packed.attention_mask,
+        packed.packed,
+        config=config,
+        group_size=GROUP,
+        completion_length=NEW_TOKENS,
+    )
+    rows = PROMPTS * GROUP
+    assert hidden.shape == (rows + PROMPTS * 3 * NEW_TOKENS, config.hidden_size)
+    assert targets.shape == hidden.shape[:1] and index.shape == (rows, NEW_TOKENS)
+    np.testing.assert_array_equal(index[:, 0], np.arange(rows))  # token 0: the prompt's last
+
+    def logprobs(run_batch):
+        return completion_logprobs(
+            params,
+            run_batch,
+            model_config=config,
+            temperature=0.7,
+            chunk_size=64,
+            shared_prompt_rows=GROUP,
+        )
+
+    real = predicting_mask(batch)
+    for got, expected in zip(logprobs(packed), logprobs(batch), strict=True):
+        np.testing.assert_allclose(np.asarray(got)[real], np.asarray(expected)[real], atol=1e-5)
 
 
 def test_a_packed_batch_needs_whole_groups(hf_checkpoint):

@@ -162,7 +162,7 @@ def test_one_process_holds_every_row():
     np.testing.assert_array_equal(block.local(array), values)
     np.testing.assert_array_equal(block.gather(values[:, 0]), values[:, 0])
     assert distributed.agree_any(True) and not distributed.agree_all(False)
-    assert distributed.agree_max(3) == 3
+    assert distributed.agree_max(3) == 3 and distributed.agree_max_each([3, 1]) == [3, 1]
     with pytest.raises(ValueError, match="equal parts"):
         block.bounds(6)
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -268,7 +269,7 @@ def test_packed_completions_update_as_the_padded_batch_does(tmp_path, monkeypatc
     lengths = np.tile([10, 6, 6, 4], len(groups.mask) // 4)
     groups.mask[:] = np.arange(16)[None] < lengths[:, None]
     groups.tokens[~groups.mask] = packed.sampling.pad_token_id
-    assert packed.packed_rows(groups, 16) == 2 and padded.packed_rows(groups, 16) is None
+    assert packed.update_shape(groups) == (16, 2) and padded.update_shape(groups) == (16, None)
     batch = packed.to_batch(groups, packed.advantages(groups), 16, 2)
     assert batch.packed.source.shape == (len(groups.mask) // 2, 16)
 
@@ -286,6 +287,33 @@ def test_packed_completions_update_as_the_padded_batch_does(tmp_path, monkeypatc
         np.testing.assert_allclose(
             metrics["packed"][name], metrics["padded"][name], rtol=1e-5, atol=1e-8
         )
+
+
+def test_with_buckets_and_packing_the_update_takes_the_fewest_slots(tmp_path):
+    """Widths 8 and 16 (two buckets), G = 4: of the widths that hold every completion, the
+    one whose packed rows hold the fewest slots, the narrower on a tie."""
+    trainer = train_module.Trainer(
+        tiny_config(
+            tmp_path,
+            "rollout.max_new_tokens=16",
+            "algorithm.completion_buckets=2",
+            "algorithm.pack_completions=true",
+        )
+    )
+    assert trainer.update_shapes == [(w, r) for w in (8, 16) for r in (1, 2, 3, 4)]
+
+    def shape(*group_lengths):
+        lengths = np.array(group_lengths * 4)  # every group alike
+        return trainer.update_shape(SimpleNamespace(mask=np.arange(16) < lengths[:, None]))
+
+    # width 8: 6 | 6 | 4 2 = 3 rows, 24 slots; width 16: 6 6 4 | 2 = 2 rows, 32 slots
+    assert shape(6, 6, 4, 2) == (8, 3)
+    # width 8 holds 2 + 2 + 2 + 2 in one row; width 16 needs a row too, of 16 slots
+    assert shape(2, 2, 2, 2) == (8, 1)
+    # a completion of 10 tokens: only width 16 (10 6 | 6 4)
+    assert shape(10, 6, 6, 4) == (16, 2)
+    # 4 x 8 slots or 2 x 16: a tie, the narrower width
+    assert shape(8, 8, 8, 8) == (8, 4)
 
 
 def test_pack_completions_needs_the_shared_prompt_update(tmp_path):
