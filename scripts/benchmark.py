@@ -6,6 +6,7 @@
     python scripts/benchmark.py scaling [...]   # = scripts/benchmark_scaling.py [...]
     python scripts/benchmark.py memory [...]    # = scripts/benchmark_memory.py [...]
     python scripts/benchmark.py compare [...]   # = scripts/benchmark_compare.py [...]
+    python scripts/benchmark.py padding [...]   # = scripts/benchmark_padding.py [...]
 
 `step` times full GRPO steps of the trainer (`jgrpo.train.Trainer`, the addition task, a
 randomly initialised preset): rollout, reward and update apart, completion tokens/s, and the
@@ -163,7 +164,7 @@ def benchmark_step(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in ("rollout", "models", "scaling", "memory", "compare"):
+    if argv and argv[0] in ("rollout", "models", "scaling", "memory", "compare", "padding"):
         script = SCRIPTS / f"benchmark_{argv[0]}.py"
         sys.argv = [str(script), *argv[1:]]
         sys.path.insert(0, str(SCRIPTS))

@@ -79,6 +79,7 @@ TINY_FLAGS = {
     "--devices": "1,2",
     "--model": "tiny",
     "--workdir": "compare",
+    "--calls": "1",
 }
 # Flags naming the peers' own environments (benchmark.py compare): jgrpo alone runs here.
 PEER_FLAGS = ("--trl-python", "--tunix-python")
