@@ -67,6 +67,21 @@ def jgrpo_config(
     )
 
 
+def jgrpo_task():
+    """The workload's prompts, with its distinct-words reward, as a jgrpo Task."""
+    from jgrpo.tasks import Task
+
+    examples = [{"prompt": prompt} for prompt in workload.prompts()]
+    return Task(
+        name="compare",
+        train=examples,
+        eval=examples,
+        reward_fns={"distinct_words": workload.distinct_words_reward},
+        reward_weights={"distinct_words": 1.0},
+        correctness="distinct_words",
+    )
+
+
 def run_jgrpo(
     checkpoint: Path, steps: int, sampling_weights: str = "float32", matmul: str = "float32"
 ) -> str:
@@ -75,20 +90,10 @@ def run_jgrpo(
     import jax.numpy as jnp
     from benchmark import forward_flops, matmul_peak_flops
 
-    from jgrpo.tasks import Task
     from jgrpo.train import Trainer
     from models.transformer import forward
 
-    examples = [{"prompt": prompt} for prompt in workload.prompts()]
-    task = Task(
-        name="compare",
-        train=examples,
-        eval=examples,
-        reward_fns={"distinct_words": workload.distinct_words_reward},
-        reward_weights={"distinct_words": 1.0},
-        correctness="distinct_words",
-    )
-    trainer = Trainer(jgrpo_config(checkpoint, steps + 1, sampling_weights, matmul), task)
+    trainer = Trainer(jgrpo_config(checkpoint, steps + 1, sampling_weights, matmul), jgrpo_task())
     # Exactly NEW_TOKENS per completion: no stop tokens (benchmark only).
     trainer.sampling = dataclasses.replace(trainer.sampling, stop_token_ids=())
     started = time.perf_counter()

@@ -32,7 +32,7 @@ SCRIPTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(SCRIPTS))
 
 import compare_workload as workload  # noqa: E402
-from benchmark_compare import jgrpo_config  # noqa: E402
+from benchmark_compare import jgrpo_config, jgrpo_task  # noqa: E402
 
 SETTINGS = {
     "padded": {},
@@ -58,19 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     import jax.numpy as jnp
     import numpy as np
 
-    from jgrpo.tasks import Task
     from jgrpo.train import Trainer
 
     checkpoint = workload.build_checkpoint(Path(args.workdir) / args.model, args.model)
-    examples = [{"prompt": prompt} for prompt in workload.prompts()]
-    task = Task(
-        name="compare",
-        train=examples,
-        eval=examples,
-        reward_fns={"distinct_words": workload.distinct_words_reward},
-        reward_weights={"distinct_words": 1.0},
-        correctness="distinct_words",
-    )
+    task = jgrpo_task()
     base = jgrpo_config(checkpoint, 1)
     trainers = {
         name: Trainer(

@@ -100,6 +100,34 @@ def assert_same_hidden(params, batch, config):
     )
 
 
+def assert_same_gradients(got, expected):
+    """Each leaf to 1e-5 of its largest entry."""
+    for (path, a), b in zip(
+        jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(expected), strict=True
+    ):
+        scale = float(jnp.abs(b).max())
+        np.testing.assert_allclose(a, b, atol=1e-5 * scale, rtol=0, err_msg=str(path))
+
+
+def assert_same_update(got, expected, params):
+    """train_step results (state, metrics): each parameter's change to 1e-5 of its largest
+    entry, and the same metrics."""
+    (state, metrics), (expected_state, expected_metrics) = got, expected
+    leaves = zip(
+        jax.tree.leaves(state.params),
+        jax.tree.leaves(expected_state.params),
+        jax.tree.leaves(params),
+        strict=True,
+    )
+    for a, b, before in leaves:
+        change = np.asarray(b - before)
+        bound = 1e-5 * np.abs(change).max()
+        np.testing.assert_allclose(np.asarray(a - before), change, atol=bound, rtol=0)
+    assert metrics.keys() == expected_metrics.keys()
+    for name, value in expected_metrics.items():
+        np.testing.assert_allclose(metrics[name], value, atol=1e-5, rtol=1e-5, err_msg=name)
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_group_forward_equals_the_plain_forward(family, hf_checkpoint):
     """Hidden states and their parameter gradients (biases, qk-norm, tied heads included)."""
@@ -115,11 +143,7 @@ def test_group_forward_equals_the_plain_forward(family, hf_checkpoint):
 
     got = jax.grad(loss(shared_hidden))(params)
     expected = jax.grad(loss(plain_hidden))(params)
-    for (path, a), b in zip(
-        jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(expected), strict=True
-    ):
-        scale = float(jnp.abs(b).max())
-        np.testing.assert_allclose(a, b, atol=1e-5 * scale, rtol=0, err_msg=str(path))
+    assert_same_gradients(got, expected)
 
 
 def test_packed_group_forward_equals_the_plain_forward(hf_checkpoint):
@@ -145,11 +169,7 @@ def test_packed_group_forward_equals_the_plain_forward(hf_checkpoint):
 
     got = jax.grad(loss(packed_hidden))(params)
     expected = jax.grad(loss(plain_hidden))(params)
-    for (path, a), b in zip(
-        jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(expected), strict=True
-    ):
-        scale = float(jnp.abs(b).max())
-        np.testing.assert_allclose(a, b, atol=1e-5 * scale, rtol=0, err_msg=str(path))
+    assert_same_gradients(got, expected)
 
 
 def test_group_forward_with_remat(hf_checkpoint):
@@ -180,20 +200,7 @@ def test_train_step_with_shared_prompt_rows_equals_the_plain_update(update, hf_c
             optimizer=sgd,
         )
 
-    (plain, plain_metrics), (shared, shared_metrics) = run(1), run(GROUP)
-    leaves = zip(
-        jax.tree.leaves(shared.params),
-        jax.tree.leaves(plain.params),
-        jax.tree.leaves(params),
-        strict=True,
-    )
-    for a, b, before in leaves:  # each leaf's change, to 1e-5 of its largest entry
-        change = np.asarray(b - before)
-        bound = 1e-5 * np.abs(change).max()
-        np.testing.assert_allclose(np.asarray(a - before), change, atol=bound, rtol=0)
-    assert shared_metrics.keys() == plain_metrics.keys()
-    for name, value in plain_metrics.items():
-        np.testing.assert_allclose(shared_metrics[name], value, atol=1e-5, rtol=1e-5, err_msg=name)
+    assert_same_update(run(GROUP), run(1), params)
 
 
 def packed_batch(batch, rows_per_group):
@@ -235,20 +242,7 @@ def test_train_step_on_packed_completions_equals_the_padded_update(update, hf_ch
             optimizer=sgd,
         )
 
-    (padded, padded_metrics), (packed, packed_metrics) = run(batch), run(packed_batch(batch, 3))
-    leaves = zip(
-        jax.tree.leaves(packed.params),
-        jax.tree.leaves(padded.params),
-        jax.tree.leaves(params),
-        strict=True,
-    )
-    for a, b, before in leaves:  # each leaf's change, to 1e-5 of its largest entry
-        change = np.asarray(b - before)
-        bound = 1e-5 * np.abs(change).max()
-        np.testing.assert_allclose(np.asarray(a - before), change, atol=bound, rtol=0)
-    assert packed_metrics.keys() == padded_metrics.keys()
-    for name, value in padded_metrics.items():
-        np.testing.assert_allclose(packed_metrics[name], value, atol=1e-5, rtol=1e-5, err_msg=name)
+    assert_same_update(run(packed_batch(batch, 3)), run(batch), params)
 
 
 def test_packed_log_probs_read_only_the_packed_tokens(hf_checkpoint):
