@@ -19,8 +19,14 @@ is a small share of the work next to the projections, and the copy lets the comp
 reuse `grouped_query_attention` (decoding reads one shared copy instead:
 `models.group_decode`).
 
+Packed completions (`PackedCompletions`, `jgrpo.packing`) put several short completions of a
+group into one row of N slots, so the prompt is followed by Gb <= G packed rows: a token
+then attends to its own completion's earlier tokens only, at its padded row's positions, and
+`packed_head_inputs` hands the log-prob head only the positions that predict a token.
+
 Rows are prompt-major (row p * G + g answers prompt p). Dimension letters as in
-`models.transformer`, plus P prompts, Lp prompt tokens, N completion tokens, G rows per prompt.
+`models.transformer`, plus P prompts, Lp prompt tokens, N completion tokens, G rows per prompt,
+Gb packed rows per prompt.
 """
 
 from __future__ import annotations
@@ -105,12 +111,13 @@ def packed_head_inputs(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:  # f32[M, E], int[M], int[B, N]
     """The packed forward's final hidden states where the unembedding should read them.
 
-    Returns (hidden, targets, index) with M = B + P * Gb * N: each row's prompt's last token
-    (it predicts the row's first completion token), then every packed slot (it predicts the
-    token in the slot after it). A log-prob computed from hidden[m] and targets[m] belongs
-    to completion position index[b, t]: so the log-prob head runs on the packed tokens, not
-    on all B * N padded positions. Positions that predict no real token read a position of
-    no meaning (mask them, as the loss does).
+    Returns (hidden, targets, index) with M = P * (G + Gb * N), per prompt: its last token G
+    times (it predicts each of the group's rows' first completion token), then its packed
+    slots (each predicts the token in the slot after it). A log-prob computed from hidden[m]
+    and targets[m] belongs to completion position index[b, t]: so the log-prob head runs on
+    the packed tokens, not on all B * N padded positions, and a prompt's positions stay
+    together (as its rows do when the batch is sharded). Positions that predict no real
+    token read a position of no meaning (mask them, as the loss does).
     """
     x = _group_layers(
         params, input_ids, attention_mask, config, group_size, completion_length, packed
@@ -118,22 +125,25 @@ def packed_head_inputs(
     rows, n = input_ids.shape[0], completion_length
     prompt_length, prompts = input_ids.shape[1] - n, rows // group_size
     slots = x.shape[1] - prompt_length  # Gb * N per group
-    first = jnp.repeat(x[:, prompt_length - 1], group_size, axis=0)  # [B, E]
-    hidden = jnp.concatenate([first, x[:, prompt_length:].reshape(prompts * slots, -1)])
+    per_prompt = group_size + slots
+    first = jnp.broadcast_to(
+        x[:, prompt_length - 1 : prompt_length], (prompts, group_size, x.shape[-1])
+    )  # [P, G, E]
+    hidden = jnp.concatenate([first, x[:, prompt_length:]], axis=1).reshape(-1, x.shape[-1])
     hidden = rms_norm(hidden, params["final_norm"], config.rms_norm_eps)  # [M, E]
+    completion_ids = input_ids[:, prompt_length:].reshape(prompts, group_size * n)
     slot_ids = jnp.take_along_axis(
-        input_ids[:, prompt_length:].reshape(prompts, group_size * n),
-        jnp.maximum(packed.source.reshape(prompts, slots), 0),
-        axis=1,
+        completion_ids, jnp.maximum(packed.source.reshape(prompts, slots), 0), axis=1
     )  # [P, Gb * N]
     # a used slot's next slot holds the next token of its completion
     next_ids = jnp.concatenate([slot_ids[:, 1:], slot_ids[:, :1]], axis=1)
-    targets = jnp.concatenate([input_ids[:, prompt_length], next_ids.reshape(-1)])  # [M]
+    first_ids = completion_ids[:, ::n]  # [P, G]: each row's first completion token
+    targets = jnp.concatenate([first_ids, next_ids], axis=1).reshape(-1)  # [M]
     # predictor < Lp: the prompt's last token (row b's first token, or padding)
-    group = jnp.arange(rows, dtype=jnp.int32)[:, None] // group_size  # [B, 1]
-    in_slots = rows + group * slots + packed.predictor - prompt_length  # [B, N]
-    own_first = jnp.arange(rows, dtype=jnp.int32)[:, None]
-    index = jnp.where(packed.predictor >= prompt_length, in_slots, own_first)  # [B, N]
+    row = jnp.arange(rows, dtype=jnp.int32)[:, None]  # [B, 1]
+    start = row // group_size * per_prompt  # [B, 1]: the row's prompt's first position
+    in_slots = start + group_size + packed.predictor - prompt_length  # [B, N]
+    index = jnp.where(packed.predictor >= prompt_length, in_slots, start + row % group_size)
     return hidden, targets, index
 
 

@@ -246,9 +246,9 @@ def test_train_step_on_packed_completions_equals_the_padded_update(update, hf_ch
 
 
 def test_packed_log_probs_read_only_the_packed_tokens(hf_checkpoint):
-    """The log-prob head of a packed batch runs on B + P * Gb * N positions (each row's
-    first prediction, then the packed slots), with the padded batch's log-probs and
-    entropies at every real completion position."""
+    """The log-prob head of a packed batch runs on P * (G + Gb * N) positions (per prompt,
+    its rows' first predictions, then its packed slots), with the padded batch's log-probs
+    and entropies at every real completion position."""
     model = from_pretrained(hf_checkpoint("qwen2")[0])
     params, config = model.params(), model.config
     batch = group_batch(seed=5, lengths=[5, 2, 3, 1, 1, 1, 4, 2, 0, 5, 2, 2])
@@ -263,9 +263,12 @@ def test_packed_log_probs_read_only_the_packed_tokens(hf_checkpoint):
         completion_length=NEW_TOKENS,
     )
     rows = PROMPTS * GROUP
-    assert hidden.shape == (rows + PROMPTS * 3 * NEW_TOKENS, config.hidden_size)
+    per_prompt = GROUP + 3 * NEW_TOKENS
+    assert hidden.shape == (PROMPTS * per_prompt, config.hidden_size)
     assert targets.shape == hidden.shape[:1] and index.shape == (rows, NEW_TOKENS)
-    np.testing.assert_array_equal(index[:, 0], np.arange(rows))  # token 0: the prompt's last
+    # token 0 of row p * G + g: its prompt's last token, at p * (G + Gb * N) + g
+    first = np.arange(PROMPTS)[:, None] * per_prompt + np.arange(GROUP)
+    np.testing.assert_array_equal(index[:, 0], first.reshape(-1))
 
     def logprobs(run_batch):
         return completion_logprobs(
