@@ -69,7 +69,11 @@ class RolloutSection:
     top_p: float = option(1.0, "nucleus sampling mass (1 = off)")
     top_k: int = option(0, "sample among the k most likely tokens (0 = off)")
     min_p: float = option(0.0, "drop tokens below min_p x the top probability (0 = off)")
-    max_prompt_length: int = option(256, "prompts are left-padded to this; longer is an error")
+    max_prompt_length: int = option(
+        256,
+        "the longest prompt allowed (longer is an error); prompts are left-padded to the "
+        "task's longest, rounded up to a multiple of 8, at most this",
+    )
     weights_dtype: str = option(
         "float32",
         "weight matrices while sampling: float32 (the parameters), or bfloat16 (a copy, f32 "

@@ -140,7 +140,7 @@ def plan_memory(trainer, micro_batch_candidates: Sequence[int] = ()) -> MemoryPl
     state, batch, reference = trainer.update_arguments()
     params, opt_state = state.params, state.opt_state
     uses_reference = c.algorithm.beta > 0
-    prompts, length = c.rollout.prompts_per_step, c.rollout.max_prompt_length
+    prompts, length = c.rollout.prompts_per_step, trainer.prompt_widths["train"]
     rows, new_tokens = prompts * c.rollout.num_generations, c.rollout.max_new_tokens
 
     prompt = jax.ShapeDtypeStruct((prompts, length), jnp.int32, sharding=trainer.row_matrix)

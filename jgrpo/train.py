@@ -77,6 +77,9 @@ from models.group_forward import PackedCompletions
 
 logger = logging.getLogger("jgrpo.train")
 
+# Prompt widths round up to this: a new longest prompt by a few tokens keeps its program.
+PROMPT_WIDTH_MULTIPLE = 8
+
 
 class TrainingDiverged(RuntimeError):
     """The loss or the gradients stopped being finite; nothing was saved after that."""
@@ -301,10 +304,21 @@ def optimizer_of(config: Config):
 # --- Stages 1-3: prompts, rollout, rewards -------------------------------------------------
 
 
+def prompt_width(longest: int, max_prompt_length: int) -> int:
+    """Columns prompts are left-padded to: the longest prompt rounded up to a multiple of
+    PROMPT_WIDTH_MULTIPLE, at most max_prompt_length.
+
+    RoPE positions count only real tokens, so leading pad columns that no prompt fills
+    change no result; they only cost compute in the prefill, the decode's attention and the
+    update."""
+    multiple = PROMPT_WIDTH_MULTIPLE
+    return min(max_prompt_length, -(-max(longest, 1) // multiple) * multiple)
+
+
 def encode_examples(
-    tokenizer, examples: Sequence[Mapping[str, Any]], max_prompt_length: int
-) -> tuple[np.ndarray, np.ndarray]:  # (int32[P, L], int32[P, L])
-    """Left-pads prompts to exactly max_prompt_length (static shapes for the whole run)."""
+    tokenizer, examples: Sequence[Mapping[str, Any]], width: int, max_prompt_length: int
+) -> tuple[np.ndarray, np.ndarray]:  # (int32[P, width], int32[P, width])
+    """Left-pads prompts to exactly `width` columns (static shapes for the whole run)."""
     token_lists = encode_prompts(tokenizer, [example["prompt"] for example in examples])
     for example, tokens in zip(examples, token_lists, strict=True):
         if len(tokens) > max_prompt_length:
@@ -312,7 +326,13 @@ def encode_examples(
                 f"prompt {example['prompt']!r} is {len(tokens)} tokens, more than "
                 f"rollout.max_prompt_length={max_prompt_length}; raise it (nothing is truncated)."
             )
-    return pad_prompts(token_lists, buckets=(max_prompt_length,))
+        if len(tokens) > width:
+            raise ValueError(
+                f"prompt {example['prompt']!r} is {len(tokens)} tokens, more than the {width} "
+                "columns this Trainer pads prompts to (the longest prompt of the task's data "
+                "when it was built); build the Trainer after changing the task's examples."
+            )
+    return pad_prompts(token_lists, buckets=(width,))
 
 
 def decode_completions(
@@ -574,12 +594,12 @@ class Trainer:
 
     def batch_arguments(self, width: int | None = None, packed_rows: int | None = None) -> Batch:
         """The batch `to_batch` makes as ShapeDtypeStructs: prompts_per_step x G rows of
-        max_prompt_length + `width` tokens (None: max_new_tokens), packed into `packed_rows`
-        per group with `algorithm.pack_completions` (None: G)."""
+        the train prompts' width + `width` tokens (None: max_new_tokens), packed into
+        `packed_rows` per group with `algorithm.pack_completions` (None: G)."""
         r = self.config.rollout
         width = r.max_new_tokens if width is None else width
         prompts, rows = r.prompts_per_step, r.prompts_per_step * r.num_generations
-        tokens = r.max_prompt_length + width
+        tokens = self.prompt_widths["train"] + width
         packed = None
         if self.config.algorithm.pack_completions:
             packed_rows = self.group_size if packed_rows is None else packed_rows
@@ -682,21 +702,36 @@ class Trainer:
         return jax.tree.map(self.block.local, result)
 
     def check_prompts(self) -> None:
-        """Prompts longer than rollout.max_prompt_length: an error, or dropped (task.on_error)."""
+        """Prompts longer than rollout.max_prompt_length: an error, or dropped (task.on_error);
+        then each split's prompt width (`prompt_width` of its longest kept prompt)."""
         from jgrpo.tasks.datasets import check_prompt_lengths
 
         limit, on_error = self.config.rollout.max_prompt_length, self.config.task.on_error
+        self.prompt_widths = {}
         for split in ("train", "eval"):
             examples = getattr(self.task, split)
+            prompts = [example["prompt"] for example in examples]
+            lengths = [len(tokens) for tokens in encode_prompts(self.tokenizer, prompts)]
             kept = check_prompt_lengths(
                 examples,
                 self.tokenizer,
                 limit,
                 on_error=on_error,
                 source=f"{self.task.name} {split}",
+                lengths=lengths,
             )
             if len(kept) != len(examples):
                 setattr(self.task, split, kept)
+            longest = max((n for n in lengths if n <= limit), default=1)
+            self.prompt_widths[split] = prompt_width(longest, limit)
+        logger.info(
+            "prompts are left-padded to %d columns (train) and %d (eval): the longest prompts "
+            "rounded up to a multiple of %d, at most rollout.max_prompt_length=%d",
+            self.prompt_widths["train"],
+            self.prompt_widths["eval"],
+            PROMPT_WIDTH_MULTIPLE,
+            limit,
+        )
 
     # Stage 2 and 3 for one batch of prompts.
     def sample_and_score(self, params, ref_params, examples, key) -> tuple[Groups, dict]:
@@ -707,7 +742,7 @@ class Trainer:
         start = time.perf_counter()
         examples = self.block.take(examples)
         prompt_ids, prompt_mask = encode_examples(
-            self.tokenizer, examples, c.rollout.max_prompt_length
+            self.tokenizer, examples, self.prompt_widths["train"], c.rollout.max_prompt_length
         )
         host = self.sample(params, prompt_ids, prompt_mask, key, self.sampling, g)
         timings["time/rollout"] = time.perf_counter() - start
@@ -1021,7 +1056,9 @@ class Trainer:
             local = self.block.take(padded)
             is_real = self.block.take(np.arange(chunk)) < len(part)  # padding at the end
             rows = int(is_real.sum())
-            ids, mask = encode_examples(self.tokenizer, local, c.rollout.max_prompt_length)
+            ids, mask = encode_examples(
+                self.tokenizer, local, self.prompt_widths["eval"], c.rollout.max_prompt_length
+            )
             result = self.sample(params, ids, mask, jax.random.key(0), self.greedy, 1)
             # Padding rows are scored too: a reward model's scoring is a collective call
             # that every process makes, even one whose rows are all padding.

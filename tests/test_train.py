@@ -201,6 +201,53 @@ def test_completion_widths_are_rounded_fractions_of_the_limit():
     assert train_module.completion_widths(4, 4) == (4,)
 
 
+def test_prompt_width_is_the_longest_prompt_rounded_up_to_eight_at_most_the_limit():
+    assert train_module.prompt_width(5, 256) == 8
+    assert train_module.prompt_width(8, 256) == 8
+    assert train_module.prompt_width(9, 256) == 16
+    assert train_module.prompt_width(39, 39) == 39  # never past the limit
+    assert train_module.prompt_width(0, 256) == 8  # an empty split
+
+
+def test_prompts_pad_to_the_longest_prompt_and_train_as_at_the_full_limit(
+    tmp_path, monkeypatch, count_compiles
+):
+    """Positions count real tokens only, so padding prompts to the data's longest prompt
+    instead of max_prompt_length changes no sample, loss or gradient beyond rounding."""
+    settings = ["rollout.max_prompt_length=24", "algorithm.beta=0.04"]
+    trimmed = train_module.Trainer(tiny_config(tmp_path / "trimmed", *settings))
+    full = train_module.Trainer(tiny_config(tmp_path / "full", *settings))
+    assert trimmed.prompt_widths == {"train": 8, "eval": 8}  # "<s>4+4=": 5 tokens at most
+    monkeypatch.setattr(full, "prompt_widths", {"train": 24, "eval": 24})  # as before trimming
+    params = trimmed.initial_params()
+    results = {}
+    for name, trainer in (("trimmed", trimmed), ("full", full)):
+        trainer.compile_update_ahead()
+        trainer.compiled_update()
+        state = trainer.initial_state(jax.tree.map(jnp.copy, params))
+        groups, _, _ = trainer.collect(params, params, jax.random.key(1), 0)
+        next_state, metrics, position = trainer.step(state, params, 0, 0)
+        before = count_compiles()
+        trainer.step(next_state, params, 1, position)
+        assert count_compiles() == before  # one prompt width: nothing compiles again
+        results[name] = groups, metrics, trainer.evaluate(params)[0]
+    (trimmed_groups, trimmed_metrics, trimmed_eval), (full_groups, full_metrics, full_eval) = (
+        results["trimmed"],
+        results["full"],
+    )
+    assert trimmed_groups.prompt_ids.shape == (16, 8) and full_groups.prompt_ids.shape == (16, 24)
+    np.testing.assert_array_equal(trimmed_groups.prompt_ids, full_groups.prompt_ids[:, 16:])
+    np.testing.assert_array_equal(trimmed_groups.tokens, full_groups.tokens)
+    assert full_metrics["grad_norm"] > 0
+    for name in ("loss", "grad_norm", "entropy", "kl", "reward/mean"):
+        np.testing.assert_allclose(trimmed_metrics[name], full_metrics[name], rtol=1e-5, atol=1e-8)
+    assert trimmed_eval == full_eval
+
+    # A prompt the trainer never saw that is longer than its width: an error, not a cut.
+    with pytest.raises(ValueError, match="more than the 8 columns this Trainer pads prompts to"):
+        train_module.encode_examples(trimmed.tokenizer, [{"prompt": "123+4567="}], 8, 24)
+
+
 def test_the_update_runs_on_the_narrowest_width_that_holds_every_completion(
     tmp_path, monkeypatch, count_compiles
 ):

@@ -203,25 +203,29 @@ def check_prompt_lengths(
     *,
     on_error: str = "reject",
     source: str = "examples",
+    lengths: Sequence[int] | None = None,
 ) -> list[Mapping[str, Any]]:
     """The examples whose prompt is at most max_tokens tokens; longer ones are reported.
 
     Prompts are encoded as the trainer encodes them (`jgrpo.generation.encode_prompts`: chat
-    messages through the tokenizer's chat template with the generation prompt). Rows are
+    messages through the tokenizer's chat template with the generation prompt), unless
+    `lengths` gives their token counts (a caller that needs them too encodes once). Rows are
     the 1-based positions in `examples`, named with `source`. "reject" raises DatasetError,
     "skip" logs and drops the long prompts; nothing is ever truncated.
     """
     check_choice("on_error", on_error, ON_ERROR)
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}.")
-    from jgrpo.generation import encode_prompts
+    if lengths is None:
+        from jgrpo.generation import encode_prompts
 
-    token_lists = encode_prompts(tokenizer, [example["prompt"] for example in examples])
+        prompts = [example["prompt"] for example in examples]
+        lengths = [len(tokens) for tokens in encode_prompts(tokenizer, prompts)]
     kept, problems = [], []
-    for row, (example, tokens) in enumerate(zip(examples, token_lists, strict=True), start=1):
-        if len(tokens) > max_tokens:
+    for row, (example, length) in enumerate(zip(examples, lengths, strict=True), start=1):
+        if length > max_tokens:
             problems.append(
-                f"{source} row {row}: prompt is {len(tokens)} tokens, more than {max_tokens}"
+                f"{source} row {row}: prompt is {length} tokens, more than {max_tokens}"
             )
         else:
             kept.append(example)
