@@ -722,8 +722,10 @@ class Trainer:
             )
             if len(kept) != len(examples):
                 setattr(self.task, split, kept)
-            longest = max((n for n in lengths if n <= limit), default=1)
-            self.prompt_widths[split] = prompt_width(longest, limit)
+            kept_lengths = [n for n in lengths if n <= limit]  # aligned with `kept`
+            if split == "eval" and self.config.task.eval_size:
+                kept_lengths = kept_lengths[: self.config.task.eval_size]  # what evaluate reads
+            self.prompt_widths[split] = prompt_width(max(kept_lengths, default=1), limit)
         logger.info(
             "prompts are left-padded to %d columns (train) and %d (eval): the longest prompts "
             "rounded up to a multiple of %d, at most rollout.max_prompt_length=%d",

@@ -27,8 +27,9 @@ COMMON = [
     "rollout.prompts_per_step=8",
     "rollout.num_generations=4",
     "rollout.max_new_tokens=16",
-    "algorithm.completion_buckets=2",  # widths 8 and 16: the processes agree on one
-    "algorithm.pack_completions=true",  # and on the packed rows per group
+    # the processes agree on the packed rows per group (one width: completion_buckets'
+    # widths would multiply the update programs each process compiles)
+    "algorithm.pack_completions=true",
     "rollout.max_prompt_length=8",
     "algorithm.beta=0.04",
     "algorithm.kl_in_reward=true",  # the reference pass reads back per-process rows

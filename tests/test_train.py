@@ -209,6 +209,16 @@ def test_prompt_width_is_the_longest_prompt_rounded_up_to_eight_at_most_the_limi
     assert train_module.prompt_width(0, 256) == 8  # an empty split
 
 
+def test_each_split_pads_to_the_longest_prompt_it_uses(tmp_path):
+    task = addition_task()  # "<s>a+b=": 5 tokens
+    task.eval = [*task.eval[:3], {**task.eval[3], "prompt": "1234567+89012345="}]  # 18 tokens
+    config = tiny_config(tmp_path, "rollout.max_prompt_length=24")
+    assert train_module.Trainer(config, task).prompt_widths == {"train": 8, "eval": 24}
+    # evaluate reads only the first eval_size examples: the long fourth is not among them
+    config = tiny_config(tmp_path, "rollout.max_prompt_length=24", "task.eval_size=3")
+    assert train_module.Trainer(config, task).prompt_widths == {"train": 8, "eval": 8}
+
+
 def test_prompts_pad_to_the_longest_prompt_and_train_as_at_the_full_limit(
     tmp_path, monkeypatch, count_compiles
 ):
