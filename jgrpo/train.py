@@ -305,8 +305,8 @@ def optimizer_of(config: Config):
 
 
 def prompt_width(longest: int, max_prompt_length: int) -> int:
-    """Columns prompts are left-padded to: the longest prompt rounded up to a multiple of
-    PROMPT_WIDTH_MULTIPLE, at most max_prompt_length.
+    """Columns prompts are left-padded to: the longest prompt (0: none) rounded up to a
+    multiple of PROMPT_WIDTH_MULTIPLE, at most max_prompt_length.
 
     RoPE positions count only real tokens, so leading pad columns that no prompt fills
     change no result; they only cost compute in the prefill, the decode's attention and the
@@ -725,7 +725,7 @@ class Trainer:
             kept_lengths = [n for n in lengths if n <= limit]  # aligned with `kept`
             if split == "eval" and self.config.task.eval_size:
                 kept_lengths = kept_lengths[: self.config.task.eval_size]  # what evaluate reads
-            self.prompt_widths[split] = prompt_width(max(kept_lengths, default=1), limit)
+            self.prompt_widths[split] = prompt_width(max(kept_lengths, default=0), limit)
         logger.info(
             "prompts are left-padded to %d columns (train) and %d (eval): the longest prompts "
             "rounded up to a multiple of %d, at most rollout.max_prompt_length=%d",

@@ -232,8 +232,6 @@ def test_prompts_pad_to_the_longest_prompt_and_train_as_at_the_full_limit(
     params = trimmed.initial_params()
     results = {}
     for name, trainer in (("trimmed", trimmed), ("full", full)):
-        trainer.compile_update_ahead()
-        trainer.compiled_update()
         state = trainer.initial_state(jax.tree.map(jnp.copy, params))
         groups, _, _ = trainer.collect(params, params, jax.random.key(1), 0)
         next_state, metrics, position = trainer.step(state, params, 0, 0)
