@@ -40,8 +40,13 @@ STAGES = ("step_s", "sampling_s", "reference_s", "update_s")
 
 
 def jgrpo_config(
-    checkpoint: Path, steps: int, sampling_weights: str = "float32", matmul: str = "float32"
+    checkpoint: Path,
+    steps: int,
+    sampling_weights: str = "float32",
+    matmul: str = "float32",
+    overrides: tuple[str, ...] = (),
 ):
+    """The workload as a jgrpo Config; `overrides` (`key=value`) are applied last."""
     from jgrpo.config import load_config
 
     return load_config(
@@ -63,6 +68,7 @@ def jgrpo_config(
             "mesh.devices=1",
             f"rollout.weights_dtype={sampling_weights}",
             f"model.matmul_dtype={matmul}",
+            *overrides,
         ],
     )
 

@@ -1,11 +1,16 @@
 """The update on completions of spread lengths: padded, trimmed, packed, measured side by side.
 
     python scripts/benchmark.py padding [--model tiny] [--lengths 8:40] [--calls 3]
+    python scripts/benchmark.py padding model.preset=qwen2.5-0.5b [--lengths 64:320] [key=value ...]
 
-The compare workload's model and batch (`compare_workload.py`: 4 prompts x G = 8, 64 new
-tokens, beta 0.04, f32), with each completion cut to a length drawn uniformly from
-`--lengths` (a fixed seed). One update program (`train_step` with the reference pass) per
-setting, each on the batch the trainer makes for it:
+By default the compare workload's model and batch (`compare_workload.py`: 4 prompts x G = 8,
+64 new tokens, beta 0.04, f32). With a `model.preset=NAME` override, that preset randomly
+initialised on the addition task's prompts (as `benchmark.py step`), with random rewards, so
+that a recipe's shapes can be measured on an accelerator. `key=value` overrides set the shapes
+(`rollout.max_new_tokens=512`, `algorithm.grad_accumulation=4`, `model.remat=true`, ...) in
+either case. Each completion is cut to a length drawn uniformly from `--lengths` (a fixed seed;
+by default 1/8 to 5/8 of `rollout.max_new_tokens`). One update program (`train_step`, with the
+reference pass when beta > 0) per setting, each on the batch the trainer makes for it:
 
 - padded: every completion padded to `max_new_tokens` (the defaults);
 - trimmed: `algorithm.completion_buckets=4`, the narrowest of 4 widths that holds the
@@ -45,24 +50,39 @@ SETTINGS = {
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m", choices=sorted(workload.ARCHITECTURES))
-    parser.add_argument("--lengths", default="8:40", help="LOW:HIGH completion tokens, uniform")
+    parser.add_argument("--lengths", help="LOW:HIGH completion tokens, uniform")
     parser.add_argument("--calls", type=int, default=3, help="timed calls per setting")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workdir", default="/tmp/jgrpo-compare", help="where the checkpoint is")
+    parser.add_argument(
+        "overrides", nargs="*", help="key=value config overrides (model.preset=NAME: a preset)"
+    )
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    low, high = (int(part) for part in args.lengths.split(":"))
-    if not 1 <= low <= high <= workload.NEW_TOKENS:
-        parser.error(f"--lengths must be LOW:HIGH with 1 <= LOW <= HIGH <= {workload.NEW_TOKENS}")
 
     import jax
     import jax.numpy as jnp
     import numpy as np
 
+    from jgrpo.config import load_config
     from jgrpo.train import Trainer
 
-    checkpoint = workload.build_checkpoint(Path(args.workdir) / args.model, args.model)
-    task = jgrpo_task()
-    base = jgrpo_config(checkpoint, 1)
+    presets = [o.split("=", 1)[1] for o in args.overrides if o.startswith("model.preset=")]
+    if presets:  # a randomly initialised preset on the config's task: addition
+        model_name, task = presets[-1], None
+        defaults = ["task.max_operand=999", "rollout.max_prompt_length=16", "mesh.devices=1"]
+        base = load_config(None, [*defaults, *args.overrides])
+    else:
+        model_name, task = args.model, jgrpo_task()
+        checkpoint = workload.build_checkpoint(Path(args.workdir) / args.model, args.model)
+        base = jgrpo_config(checkpoint, 1, overrides=tuple(args.overrides))
+    new_tokens = base.rollout.max_new_tokens
+    low, high = (
+        (max(1, new_tokens // 8), 5 * new_tokens // 8)
+        if args.lengths is None
+        else (int(part) for part in args.lengths.split(":"))
+    )
+    if not 1 <= low <= high <= new_tokens:
+        parser.error(f"--lengths must be LOW:HIGH with 1 <= LOW <= HIGH <= {new_tokens}")
     trainers = {
         name: Trainer(
             dataclasses.replace(base, algorithm=dataclasses.replace(base.algorithm, **options)),
@@ -73,10 +93,13 @@ def main(argv: list[str] | None = None) -> int:
     padded = trainers["padded"]
     padded.sampling = dataclasses.replace(padded.sampling, stop_token_ids=())  # full rows
     params = padded.initial_params()
-    reference = jax.tree.map(jnp.copy, params)
+    reference = jax.tree.map(jnp.copy, params) if base.algorithm.beta > 0 else None
     state = padded.initial_state(params)
     groups, _, _ = padded.collect(params, reference, jax.random.key(args.seed), 0)
-    lengths = np.random.default_rng(args.seed).integers(low, high + 1, len(groups.mask))
+    rng = np.random.default_rng(args.seed)
+    lengths = rng.integers(low, high + 1, len(groups.mask))
+    if presets:  # random weights earn no addition reward: random rewards, so gradients are real
+        groups.rewards[:] = rng.random(len(groups.rewards))
     groups.mask[:] = np.arange(groups.mask.shape[1])[None] < lengths[:, None]
     groups.tokens[~groups.mask] = padded.sampling.pad_token_id
     advantages = padded.advantages(groups)
@@ -99,9 +122,11 @@ def main(argv: list[str] | None = None) -> int:
                 times[name].append(time.perf_counter() - start)
             metrics[name] = {key: float(np.ravel(value)[0]) for key, value in result.items()}
 
+    rollout = base.rollout
     print(
-        f"GRPO update (reference pass, forward, backward, AdamW), {args.model} architecture, "
-        f"{workload.PROMPTS} prompts x G={workload.GENERATIONS}, {workload.NEW_TOKENS} new "
+        f"GRPO update ({'reference pass, ' if reference is not None else ''}forward, "
+        f"backward, AdamW), {model_name}, {jax.devices()[0].platform}, "
+        f"{rollout.prompts_per_step} prompts x G={rollout.num_generations}, {new_tokens} new "
         f"tokens; completion lengths uniform in [{low}, {high}] (mean {lengths.mean():.1f}, "
         f"longest {lengths.max()}); medians of {args.calls} calls after the first\n"
     )
@@ -110,11 +135,12 @@ def main(argv: list[str] | None = None) -> int:
     padded_s = statistics.median(times["padded"])
     for name, (width, rows, _, _) in runs.items():
         median = statistics.median(times[name])
-        packed = "-" if rows is None else f"{rows} of {workload.GENERATIONS}"
+        packed = "-" if rows is None else f"{rows} of {rollout.num_generations}"
         print(f"| {name} | {width} | {packed} | {median:.4f} s | {median / padded_s:.2f} |")
     print()
     for key in ("loss", "grad_norm", "entropy", "kl_mean"):
-        print(f"{key}: " + ", ".join(f"{name} {metrics[name][key]:.7g}" for name in metrics))
+        if key in metrics["padded"]:
+            print(f"{key}: " + ", ".join(f"{name} {metrics[name][key]:.7g}" for name in metrics))
     return 0
 
 
