@@ -136,7 +136,7 @@ class AlgorithmSection:
     pack_completions: bool = option(
         False,
         "update: pack each group's completions into fewer rows, skipping their padding "
-        "(equal results; needs shared_prompt_forward)",
+        "(equal results; only with the shared-prompt update, else off with a warning)",
     )
     dynamic_sampling: bool = option(False, "DAPO: replace groups with equal rewards by new ones")
     max_extra_rollouts: int = option(2, "dynamic sampling: extra rollouts allowed per step")

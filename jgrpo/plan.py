@@ -54,6 +54,8 @@ class MemoryPlan:
     reward_model: int = 0  # a learned reward model's parameters (reward_model.path)
     reward_scratch: int = 0  # its scoring program's temporaries (longest bucket, one batch)
     fits: dict[int, int] = dataclasses.field(default_factory=dict)  # micro rows -> peak
+    # micro-batches that would split groups, so run unpacked (algorithm.pack_completions)
+    unplanned: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def resident(self) -> int:
@@ -107,6 +109,11 @@ class MemoryPlan:
             for rows, peak in sorted(self.fits.items()):
                 mark = "fits" if peak <= budget else "too big"
                 lines.append(f"    micro-batch {rows:5d} rows: peak {_gib(peak)}  {mark}")
+            for rows in self.unplanned:
+                lines.append(
+                    f"    micro-batch {rows:5d} rows: splits groups, so runs unpacked; plan it "
+                    "with algorithm.pack_completions=false"
+                )
             best = self.largest_fitting(budget)
             lines.append(
                 f"  largest micro-batch that fits: {best} rows"
@@ -182,12 +189,12 @@ def plan_memory(trainer, micro_batch_candidates: Sequence[int] = ()) -> MemoryPl
         if candidate == micro_rows or per_minibatch % candidate or candidate % shard_rows:
             continue
         accumulation = per_minibatch // candidate
+        shared = shared_prompt_rows(c, grad_accumulation=accumulation, batch_shards=shard_rows)
+        if c.algorithm.pack_completions and shared == 1:  # packing needs whole groups
+            plan.unplanned.append(candidate)  # the trainer would run it unpacked: not this plan
+            continue
         config = dataclasses.replace(
-            trainer.update_config,
-            grad_accumulation=accumulation,
-            shared_prompt_rows=shared_prompt_rows(
-                c, grad_accumulation=accumulation, batch_shards=shard_rows
-            ),
+            trainer.update_config, grad_accumulation=accumulation, shared_prompt_rows=shared
         )  # the update the trainer would run with that accumulation
         scratch = update_scratch(config)
         plan.fits[candidate] = plan.resident + plan.batch + scratch

@@ -455,13 +455,22 @@ class Trainer:
             batch_shards=self.mesh.shape["data"] * self.mesh.shape["fsdp"],
         )
         if algo.pack_completions and self.update_config.shared_prompt_rows == 1:
-            raise ConfigError(
-                "algorithm.pack_completions packs each group's completions and needs the "
-                "shared-prompt update: algorithm.shared_prompt_forward=true, "
-                "rollout.num_generations > 1, and whole groups in every micro-batch and batch "
-                "shard (rollout.prompts_per_step divisible by algorithm.num_minibatches x "
-                "algorithm.grad_accumulation x mesh data x fsdp); or turn packing off."
+            # Packing is a speed option with equal results: a layout that splits groups runs
+            # the padded batch rather than stopping (as the shared-prompt forward does).
+            logger.warning(
+                "algorithm.pack_completions is off for this run: packing works per group and "
+                "needs the shared-prompt update, that is algorithm.shared_prompt_forward=true, "
+                "rollout.num_generations > 1 and whole groups in every micro-batch and batch "
+                "shard (rollout.prompts_per_step=%d divisible by algorithm.num_minibatches x "
+                "algorithm.grad_accumulation x mesh data x fsdp = %d x %d x %d); the update "
+                "runs the padded batch.",
+                r.prompts_per_step,
+                algo.num_minibatches,
+                algo.grad_accumulation,
+                self.mesh.shape["data"] * self.mesh.shape["fsdp"],
             )
+            algo = dataclasses.replace(algo, pack_completions=False)
+            self.config = config = dataclasses.replace(config, algorithm=algo)
         # the update's batch shapes: (completion width, packed rows per group or None)
         packed_rows = packed_row_counts(self.group_size) if algo.pack_completions else (None,)
         self.update_shapes = [(w, rows) for w in self.completion_widths for rows in packed_rows]

@@ -90,3 +90,14 @@ def test_smaller_micro_batches_are_planned_as_the_trainer_would_run_them():
     assert one_row.update_config.shared_prompt_rows == 1
     scratch = one_row.compiled_update().memory_analysis().temp_size_in_bytes
     assert plan.fits[1] == plan.resident + plan.batch + scratch
+
+
+def test_packing_plans_only_micro_batches_of_whole_groups():
+    """A packed update needs whole groups per micro-batch: with G = 2 a 1-row micro-batch would
+    run unpacked (the trainer turns packing off), so the packed plan names it without a peak."""
+    trainer = Trainer(load_config(None, [*SMALL, *FEW, "algorithm.pack_completions=true"]))
+    plan = plan_memory(trainer, micro_batch_candidates(4))
+    assert sorted(plan.fits) == [2, 4] and plan.unplanned == [1]
+    report = plan.report(budget=2**40)
+    assert "micro-batch     1 rows: splits groups, so runs unpacked" in report
+    assert "largest micro-batch that fits: 4 rows" in report

@@ -1,6 +1,7 @@
 """The training loop end to end on the tiny demo config: metrics, checkpoints, resume, export."""
 
 import dataclasses
+import logging
 import os
 import pathlib
 import runpy
@@ -17,7 +18,7 @@ import numpy as np
 import pytest
 
 from jgrpo import train as train_module
-from jgrpo.config import ConfigError, load_config
+from jgrpo.config import load_config
 from jgrpo.metrics import read_metrics
 from jgrpo.rewards import RewardError
 from jgrpo.tasks import Task
@@ -371,13 +372,21 @@ def test_with_buckets_and_packing_the_update_takes_the_fewest_slots(tmp_path):
     assert shape(8, 8, 8, 8) == (8, 4)
 
 
-def test_pack_completions_needs_the_shared_prompt_update(tmp_path):
-    with pytest.raises(ConfigError, match="algorithm.pack_completions packs each group's"):
-        train_module.Trainer(
-            tiny_config(
-                tmp_path, "algorithm.pack_completions=true", "algorithm.shared_prompt_forward=false"
-            )
-        )
+def test_pack_completions_without_the_shared_prompt_update_runs_padded(tmp_path, caplog):
+    """Packing needs whole groups per micro-batch; a layout that splits them (here 4 prompts
+    of G = 4 in 8 micro-batches of 2 rows) warns and trains on the padded batch."""
+    split = ("algorithm.pack_completions=true", "algorithm.grad_accumulation=8")
+    trainer = train_module.Trainer(tiny_config(tmp_path / "trainer", *split))
+    assert trainer.update_config.shared_prompt_rows == 1
+    assert trainer.config.algorithm.pack_completions is False
+    assert trainer.batch_shardings.packed is None
+    assert {rows for _, rows in trainer.update_shapes} == {None}
+    with caplog.at_level(logging.WARNING, logger="jgrpo.train"):
+        train_module.train(tiny_config(tmp_path / "run", *split, "train.steps=1"))
+    assert "algorithm.pack_completions is off for this run" in caplog.text
+    assert "prompts_per_step=4 divisible by" in caplog.text and "= 1 x 8 x 1" in caplog.text
+    (line,) = read_metrics(tmp_path / "run")
+    assert "packed_rows" not in line and np.isfinite(line["loss"])
 
 
 def test_an_error_while_compiling_ahead_reaches_the_caller(tmp_path):
