@@ -5,7 +5,9 @@ optimise the code it generates less: about a third less wall time on the compile
 (test_sharding, test_plan, test_recipes, test_update and test_group_decode: 298 s -> 203 s).
 The code computes the same things but may round differently in the last bits than fully
 optimised code, so every process of a test that compares runs exactly must use the same
-flags: build them with `xla_flags`.
+flags: build them with `xla_flags`. Not always only the last bits: on a host with avx512_bf16,
+level 0 rounded a bf16 forward's products differently from levels 1 and 2, so
+test_group_decode compiles its reference forward at level 2 (`compile(compiler_options)`).
 """
 
 CHEAP_COMPILE = (
