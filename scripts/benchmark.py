@@ -31,6 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 
 SCRIPTS = Path(__file__).resolve().parent
+# A randomly initialised preset on the addition task: prompts of up to 8 characters.
+ADDITION_PROMPTS = ("task.max_operand=999", "rollout.max_prompt_length=16")
 
 
 def matmul_peak_flops(size: int | None = None, repeats: int = 5, dtype=jnp.float32) -> float:
@@ -90,11 +92,10 @@ def benchmark_step(args: argparse.Namespace) -> None:
         [
             f"model.preset={args.preset}",
             f"model.dtype={args.dtype}",
-            "task.max_operand=999",  # prompts of up to 8 characters
+            *ADDITION_PROMPTS,
             f"rollout.prompts_per_step={args.prompts}",
             f"rollout.num_generations={args.generations}",
             f"rollout.max_new_tokens={args.new_tokens}",
-            "rollout.max_prompt_length=16",
             f"algorithm.num_minibatches={args.minibatches}",
             f"algorithm.beta={args.beta}",
         ],

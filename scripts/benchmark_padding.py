@@ -69,8 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     presets = [o.split("=", 1)[1] for o in args.overrides if o.startswith("model.preset=")]
     if presets:  # a randomly initialised preset on the config's task: addition
         model_name, task = presets[-1], None
-        defaults = ["task.max_operand=999", "rollout.max_prompt_length=16", "mesh.devices=1"]
-        base = load_config(None, [*defaults, *args.overrides])
+        from benchmark import ADDITION_PROMPTS
+
+        base = load_config(None, [*ADDITION_PROMPTS, "mesh.devices=1", *args.overrides])
     else:
         model_name, task = args.model, jgrpo_task()
         checkpoint = workload.build_checkpoint(Path(args.workdir) / args.model, args.model)
