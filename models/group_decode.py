@@ -37,6 +37,7 @@ from models.transformer import (
     forward,
     rms_norm,
     row_major,
+    write_slice,
 )
 
 _CACHE_AXES = ("batch", "kv_heads", "length", "head_dim")
@@ -216,12 +217,8 @@ def decode_step(
             q, k = rms_norm(q, layer["q_norm"], eps), rms_norm(k, layer["k_norm"], eps)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin).transpose(0, 2, 3, 1)  # [B, K, D, 1]: cached transposed
-        completion_k = jax.lax.dynamic_update_slice(
-            cache.completion_k[i], k.astype(cache.completion_k[i].dtype), (0, 0, 0, slot)
-        )
-        completion_v = jax.lax.dynamic_update_slice(
-            cache.completion_v[i], v.astype(cache.completion_v[i].dtype), (0, 0, slot, 0)
-        )
+        completion_k = write_slice(cache.completion_k[i], k, (0, 0, 0, slot))
+        completion_v = write_slice(cache.completion_v[i], v, (0, 0, slot, 0))
         attention = shared_prefix_attention(
             q,
             cache.prompt_k[i],

@@ -509,6 +509,26 @@ def _lower_precision(*arrays: jax.Array):
     return min((x.dtype for x in arrays), key=lambda dtype: jnp.finfo(dtype).bits)
 
 
+def write_slice(buffer: jax.Array, update: jax.Array, start: tuple) -> jax.Array:
+    """`jax.lax.dynamic_update_slice(buffer, update cast to buffer's dtype, start)`, in place.
+
+    A buffer narrower than 32 bits (a bf16 KV cache) is written through its bits: XLA:CPU
+    otherwise widens the whole buffer to f32 around the update and narrows it back, two
+    full copies of the cache for every token written, which made long bf16 rollouts
+    quadratic in their length.
+    """
+    update = update.astype(buffer.dtype)
+    if buffer.dtype.itemsize >= 4:
+        return jax.lax.dynamic_update_slice(buffer, update, start)
+    bits = jnp.dtype(f"uint{8 * buffer.dtype.itemsize}")
+    written = jax.lax.dynamic_update_slice(
+        jax.lax.bitcast_convert_type(buffer, bits),
+        jax.lax.bitcast_convert_type(update, bits),
+        start,
+    )
+    return jax.lax.bitcast_convert_type(written, buffer.dtype)
+
+
 def row_major(x: jax.Array) -> jax.Array:
     """x stored in row-major order (on CPU), so that XLA multiplies a transpose written in
     memory rather than folding it into the product's dimensions. Elsewhere x unchanged."""
@@ -594,8 +614,8 @@ def decoder_layer(config, params, x, cos, sin, mask, cache=None, offset=0):
     else:
         k_all, v_all, layer = cache
         start = (layer, 0, 0, offset, 0)
-        k_all = jax.lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), start)
-        v_all = jax.lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), start)
+        k_all = write_slice(k_all, k[None], start)
+        v_all = write_slice(v_all, v[None], start)
         keys = jax.lax.dynamic_index_in_dim(k_all, layer, keepdims=False)  # [B, K, S, D]
         values = jax.lax.dynamic_index_in_dim(v_all, layer, keepdims=False)
         new_cache = (k_all, v_all)

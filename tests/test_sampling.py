@@ -344,6 +344,36 @@ def test_the_decode_loop_evaluates_no_sine_or_cosine(hf_checkpoint):
     assert "cosine(" not in loop and " sine(" not in loop
 
 
+def test_a_bf16_cache_is_written_in_place(hf_checkpoint):
+    """A bf16 model's decode loop writes its slot of each completion buffer without widening
+    the buffer to f32: XLA:CPU did so around a bf16 dynamic-update-slice, two copies of the
+    whole cache for every token (`models.transformer.write_slice`)."""
+    model = from_pretrained(hf_checkpoint("qwen2")[0], dtype=jnp.bfloat16)
+    c, generations, new_tokens = model.config, 2, 8
+    ids, mask = prompts()
+    hlo = (
+        rollout.lower(
+            model.params(),
+            jnp.asarray(ids),
+            jnp.asarray(mask),
+            jax.random.key(0),
+            model_config=c,
+            num_generations=generations,
+            sampling=SamplingConfig(max_new_tokens=new_tokens, stop_token_ids=(EOS,)),
+        )
+        .compile()
+        .as_text()
+    )
+    loop = loop_computations(hlo)
+    rows = len(ids) * generations
+    keys = f"{rows},{c.num_kv_heads},{c.head_dim},{new_tokens}]"  # [B, K, D, N]
+    values = f"{rows},{c.num_kv_heads},{new_tokens},{c.head_dim}]"  # [B, K, N, D]
+    writes = re.findall(r"= (\w+)\[([\d,]+\])\S* dynamic-update-slice\(", loop)
+    cache_writes = [dtype for dtype, shape in writes if shape in (keys, values)]
+    assert len(cache_writes) >= 2 * c.num_layers  # every layer's keys and values
+    assert "f32" not in cache_writes, cache_writes  # 16 bits wide (bf16, or its bits)
+
+
 def test_randomness_is_a_function_of_the_key(hf_checkpoint):
     model = from_pretrained(hf_checkpoint("qwen2")[0])
     ids, mask = prompts()
