@@ -264,9 +264,18 @@ def shared_prefix_attention(
     completion_v: jax.Array,  # [P*G, K, N, D]
     prompt_mask: jax.Array,  # [P, Lp]
     completion_mask: jax.Array,  # bool[N], the same for every row
+    *,
+    batched_dots: bool | None = None,
 ) -> jax.Array:  # [P*G, 1, H, D]
     """One query token per row attending to its prompt's slots and its own completion slots:
-    softmax over the concatenation of both, computed without building it. Scores in f32."""
+    softmax over the concatenation of both, computed without building it. Scores in f32.
+
+    A row's own slots are read by batched matrix products where `batched_dots` (the default
+    off CPU) and by fused multiply-reduces otherwise (the default on CPU): each is the fast
+    form on its backend (docs/benchmarks.md). They agree to rounding.
+    """
+    if batched_dots is None:
+        batched_dots = jax.default_backend() != "cpu"
     rows, _, heads, dim = q.shape
     prompts, kv_heads, prompt_slots, _ = prompt_k.shape
     groups, per_kv = rows // prompts, heads // kv_heads
@@ -281,13 +290,17 @@ def shared_prefix_attention(
     )  # [P, G, K, G', Lp]
     prompt_scores = jnp.where(prompt_mask[:, None, None, None, :] > 0, prompt_scores, _MASKED)
     prompt_scores = prompt_scores.reshape(rows, kv_heads, per_kv, prompt_slots)
-    # Each row's own keys: a multiply-reduce, which XLA fuses (a batched dot of one query row
-    # per (row, kv head) is slower on CPU). With the keys stored [B, K, D, N] it sums over a
-    # major axis along the contiguous slots: 0.17 against 0.29 ms a layer at the compare
-    # workload's decode shapes on a 2-core AMD host (docs/benchmarks.md).
-    completion_scores = (
-        jnp.sum(q[..., None] * completion_k[:, :, None].astype(jnp.float32), axis=-2) * scale
-    )  # [B, K, G', N]
+    # Each row's own keys. On CPU a multiply-reduce, which XLA fuses (a batched dot of one
+    # query row per (row, kv head) is slower there); with the keys stored [B, K, D, N] it sums
+    # over a major axis along the contiguous slots: 0.17 against 0.29 ms a layer at the compare
+    # workload's decode shapes on a 2-core AMD host. On a GPU the same reduction ran ~5x slower
+    # than batched products (docs/benchmarks.md).
+    completion_k = completion_k.astype(jnp.float32)
+    if batched_dots:
+        completion_scores = jnp.einsum("bkhd,bkdn->bkhn", q, completion_k) * scale
+    else:
+        completion_scores = jnp.sum(q[..., None] * completion_k[:, :, None], axis=-2) * scale
+    # completion_scores [B, K, G', N]
     completion_scores = jnp.where(completion_mask, completion_scores, _MASKED)
 
     top = jnp.maximum(
@@ -302,8 +315,11 @@ def shared_prefix_attention(
         prompt_weights.reshape(prompts, groups, kv_heads, per_kv, prompt_slots),
         prompt_v.astype(jnp.float32),
     ).reshape(rows, kv_heads, per_kv, dim)
-    from_completion = jnp.sum(
-        completion_weights[..., None] * completion_v[:, :, None].astype(jnp.float32), axis=-2
-    )  # [B, K, G', D]
+    completion_v = completion_v.astype(jnp.float32)
+    if batched_dots:
+        from_completion = jnp.einsum("bkhn,bknd->bkhd", completion_weights, completion_v)
+    else:
+        from_completion = jnp.sum(completion_weights[..., None] * completion_v[:, :, None], axis=-2)
+    # from_completion [B, K, G', D]
     out = (from_prompt + from_completion) / total
     return out.reshape(rows, 1, heads, dim).astype(prompt_v.dtype)

@@ -24,7 +24,10 @@ from models.transformer import (
 )
 
 
-def test_shared_prefix_attention_equals_attention_over_the_copied_prompt():
+@pytest.mark.parametrize("batched_dots", [False, True])
+def test_shared_prefix_attention_equals_attention_over_the_copied_prompt(batched_dots):
+    """Both forms of the completion part (multiply-reduce on CPU, batched products on
+    accelerators) equal ordinary attention over a copied prompt cache."""
     prompts, groups, kv_heads, per_kv, dim, prompt_slots, slots = 3, 4, 2, 3, 8, 5, 6
     rows = prompts * groups
     keys = jax.random.split(jax.random.key(0), 5)
@@ -42,7 +45,14 @@ def test_shared_prefix_attention_equals_attention_over_the_copied_prompt():
 
     keys_t = completion_k.transpose(0, 1, 3, 2)  # the cache holds keys [B, K, D, N]
     got = shared_prefix_attention(
-        q, prompt_k, prompt_v, keys_t, completion_v, prompt_mask, completion_mask
+        q,
+        prompt_k,
+        prompt_v,
+        keys_t,
+        completion_v,
+        prompt_mask,
+        completion_mask,
+        batched_dots=batched_dots,
     )
     # Reference: the prompt cache copied to each of its G rows, then ordinary attention.
     copied_k = jnp.concatenate([jnp.repeat(prompt_k, groups, 0), completion_k], axis=2)
