@@ -320,24 +320,25 @@ def loop_computations(hlo: str) -> str:
     return "\n".join(computations[name] for name in seen)
 
 
+def compiled_rollout(model, ids, mask, *, num_generations=2, **sampling):
+    """The rollout program for these prompts, compiled; `sampling` are SamplingConfig fields."""
+    lowered = rollout.lower(
+        model.params(),
+        jnp.asarray(ids),
+        jnp.asarray(mask),
+        jax.random.key(0),
+        model_config=model.config,
+        num_generations=num_generations,
+        sampling=SamplingConfig(**sampling),
+    )
+    return lowered.compile()
+
+
 def test_the_decode_loop_evaluates_no_sine_or_cosine(hf_checkpoint):
     """RoPE's tables are built once before the decode loop (`decode_step`'s `rope`): computed
     in the step, XLA:CPU fused their sines and cosines into each layer's rotations instead."""
     model = from_pretrained(hf_checkpoint("qwen2")[0])
-    ids, mask = prompts()
-    hlo = (
-        rollout.lower(
-            model.params(),
-            jnp.asarray(ids),
-            jnp.asarray(mask),
-            jax.random.key(0),
-            model_config=model.config,
-            num_generations=2,
-            sampling=SamplingConfig(max_new_tokens=8, stop_token_ids=(EOS,)),
-        )
-        .compile()
-        .as_text()
-    )
+    hlo = compiled_rollout(model, *prompts(), max_new_tokens=8, stop_token_ids=(EOS,)).as_text()
     loop = loop_computations(hlo)
     assert " dot(" in loop  # the decode step runs in the loop
     assert "cosine(" in hlo  # the prefill and the tables
@@ -351,19 +352,9 @@ def test_a_bf16_cache_is_written_in_place(hf_checkpoint):
     model = from_pretrained(hf_checkpoint("qwen2")[0], dtype=jnp.bfloat16)
     c, generations, new_tokens = model.config, 2, 8
     ids, mask = prompts()
-    hlo = (
-        rollout.lower(
-            model.params(),
-            jnp.asarray(ids),
-            jnp.asarray(mask),
-            jax.random.key(0),
-            model_config=c,
-            num_generations=generations,
-            sampling=SamplingConfig(max_new_tokens=new_tokens, stop_token_ids=(EOS,)),
-        )
-        .compile()
-        .as_text()
-    )
+    hlo = compiled_rollout(
+        model, ids, mask, num_generations=generations, max_new_tokens=new_tokens
+    ).as_text()
     loop = loop_computations(hlo)
     rows = len(ids) * generations
     keys = f"{rows},{c.num_kv_heads},{c.head_dim},{new_tokens}]"  # [B, K, D, N]
@@ -400,16 +391,7 @@ def test_new_prompts_in_the_same_bucket_do_not_recompile(hf_checkpoint, count_co
 def compiled_prefill(model, num_generations):
     """The rollout of two 60-token prompts (a 64 bucket) with one new token, compiled."""
     ids, mask = pad_prompts([list(range(3, 63))] * 2)
-    lowered = rollout.lower(
-        model.params(),
-        jnp.asarray(ids),
-        jnp.asarray(mask),
-        jax.random.key(0),
-        model_config=model.config,
-        num_generations=num_generations,
-        sampling=SamplingConfig(max_new_tokens=1),
-    )
-    return lowered.compile()
+    return compiled_rollout(model, ids, mask, num_generations=num_generations, max_new_tokens=1)
 
 
 def test_prefill_runs_once_per_prompt_not_per_generation(hf_checkpoint):
