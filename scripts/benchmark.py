@@ -13,7 +13,8 @@ randomly initialised preset): rollout, reward and update apart, completion token
 update's achieved FLOP/s (FLOPs counted from the shapes, `forward_flops`, over its time) as
 a fraction of a matmul peak measured in the same run on the same device in the model's dtype
 (`--dtype`): the update's model FLOPs utilisation. Compilation is the first step, reported
-apart.
+apart. `--profile DIR` then runs one more step, untimed, under the JAX profiler and writes its
+trace to DIR (for TensorBoard's profile plugin; the .trace.json.gz opens in ui.perfetto.dev).
 """
 
 from __future__ import annotations
@@ -113,9 +114,11 @@ def benchmark_step(args: argparse.Namespace) -> None:
     )
     rows = []
     flops = None
-    for step in range(args.steps + 1):
+
+    def step(state, index):
+        nonlocal flops
         start = time.perf_counter()
-        groups, metrics, _ = trainer.collect(state.params, None, jax.random.key(step), 0)
+        groups, metrics, _ = trainer.collect(state.params, None, jax.random.key(index), 0)
         batch = trainer.to_batch(groups, trainer.advantages(groups))
         if flops is None:  # forward + backward, and the reference forward when beta > 0
             forward = forward_flops(
@@ -129,15 +132,22 @@ def benchmark_step(args: argparse.Namespace) -> None:
         state, update = train_step(state, batch, ref, **kwargs)
         jax.block_until_ready(update)
         end = time.perf_counter()
-        rows.append(
-            dict(
-                total=end - start,
-                rollout=metrics["time/rollout"],
-                reward=metrics["time/reward"],
-                update=end - update_start,
-                tokens=int(groups.lengths.sum()),
-            )
+        row = dict(
+            total=end - start,
+            rollout=metrics["time/rollout"],
+            reward=metrics["time/reward"],
+            update=end - update_start,
+            tokens=int(groups.lengths.sum()),
         )
+        return state, row
+
+    for index in range(args.steps + 1):
+        state, row = step(state, index)
+        rows.append(row)
+    if args.profile:
+        with jax.profiler.trace(args.profile, create_perfetto_trace=True):
+            step(state, args.steps + 1)
+        print(f"profiled one more step into {args.profile}")
     first, timed = rows[0], rows[1:]
     median = {key: statistics.median(r[key] for r in timed) for key in timed[0]}
     peak = matmul_peak_flops(dtype=jnp.dtype(args.dtype))
@@ -183,6 +193,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument(
         "--full-length", action="store_true", help="block the stop tokens: N tokens per row"
+    )
+    parser.add_argument(
+        "--profile", metavar="DIR", help="then trace one more step with the JAX profiler into DIR"
     )
     args = parser.parse_args(argv)
     np.set_printoptions(precision=3)
