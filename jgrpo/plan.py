@@ -141,7 +141,7 @@ def shard_bytes(tree) -> int:
 
 def plan_memory(trainer, micro_batch_candidates: Sequence[int] = ()) -> MemoryPlan:
     """Compiles the trainer's rollout and update for its mesh and sizes every part."""
-    from jgrpo.train import shared_prompt_rows  # jgrpo.train imports this module
+    from jgrpo.train import packing_obstacle, shared_prompt_rows  # train imports plan
 
     c, mc, mesh = trainer.config, trainer.model_config, trainer.mesh
     state, batch, reference = trainer.update_arguments()
@@ -190,7 +190,9 @@ def plan_memory(trainer, micro_batch_candidates: Sequence[int] = ()) -> MemoryPl
             continue
         accumulation = per_minibatch // candidate
         shared = shared_prompt_rows(c, grad_accumulation=accumulation, batch_shards=shard_rows)
-        if c.algorithm.pack_completions and shared == 1:  # packing needs whole groups
+        if c.algorithm.pack_completions and packing_obstacle(
+            c, grad_accumulation=accumulation, batch_shards=shard_rows
+        ):
             plan.unplanned.append(candidate)  # the trainer would run it unpacked: not this plan
             continue
         config = dataclasses.replace(

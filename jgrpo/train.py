@@ -252,6 +252,25 @@ def shared_prompt_rows(config: Config, *, grad_accumulation: int, batch_shards: 
     return config.rollout.num_generations if whole_groups else 1
 
 
+def packing_obstacle(config: Config, *, grad_accumulation: int, batch_shards: int) -> str | None:
+    """Why `algorithm.pack_completions` cannot run with these settings, naming the field to
+    change, or None when it can: packing works per group, on the shared-prompt update."""
+    algo, rollout = config.algorithm, config.rollout
+    if not algo.shared_prompt_forward:
+        return "it needs the shared-prompt update, algorithm.shared_prompt_forward=true"
+    if (
+        shared_prompt_rows(config, grad_accumulation=grad_accumulation, batch_shards=batch_shards)
+        > 1
+    ):
+        return None
+    return (
+        "it needs whole groups in every micro-batch and batch shard: "
+        f"rollout.prompts_per_step={rollout.prompts_per_step} divisible by "
+        "algorithm.num_minibatches x algorithm.grad_accumulation x mesh data x fsdp = "
+        f"{algo.num_minibatches} x {grad_accumulation} x {batch_shards}"
+    )
+
+
 def update_config_of(config: Config, *, beta_in_loss: float, batch_shards: int = 1) -> UpdateConfig:
     """The update's settings; `batch_shards` is the mesh's data x fsdp size."""
     algo = config.algorithm
@@ -454,20 +473,18 @@ class Trainer:
             beta_in_loss=0.0 if algo.kl_in_reward else algo.beta,
             batch_shards=self.mesh.shape["data"] * self.mesh.shape["fsdp"],
         )
-        if algo.pack_completions and self.update_config.shared_prompt_rows == 1:
-            # Packing is a speed option with equal results: a layout that splits groups runs
+        obstacle = packing_obstacle(
+            config,
+            grad_accumulation=algo.grad_accumulation,
+            batch_shards=self.mesh.shape["data"] * self.mesh.shape["fsdp"],
+        )
+        if algo.pack_completions and obstacle:
+            # Packing is a speed option with equal results: settings it cannot run with train
             # the padded batch rather than stopping (as the shared-prompt forward does).
             logger.warning(
-                "algorithm.pack_completions is off for this run: packing works per group and "
-                "needs the shared-prompt update, that is algorithm.shared_prompt_forward=true, "
-                "rollout.num_generations > 1 and whole groups in every micro-batch and batch "
-                "shard (rollout.prompts_per_step=%d divisible by algorithm.num_minibatches x "
-                "algorithm.grad_accumulation x mesh data x fsdp = %d x %d x %d); the update "
-                "runs the padded batch.",
-                r.prompts_per_step,
-                algo.num_minibatches,
-                algo.grad_accumulation,
-                self.mesh.shape["data"] * self.mesh.shape["fsdp"],
+                "algorithm.pack_completions is off for this run: %s. The update runs the "
+                "padded batch.",
+                obstacle,
             )
             algo = dataclasses.replace(algo, pack_completions=False)
             self.config = config = dataclasses.replace(config, algorithm=algo)

@@ -389,6 +389,18 @@ def test_pack_completions_without_the_shared_prompt_update_runs_padded(tmp_path,
     assert "packed_rows" not in line and np.isfinite(line["loss"])
 
 
+def test_packing_without_the_shared_prompt_forward_says_so(tmp_path, caplog):
+    """Packing turned off because the shared-prompt update is off names that field, not the
+    whole-groups rule."""
+    off = ("algorithm.pack_completions=true", "algorithm.shared_prompt_forward=false")
+    with caplog.at_level(logging.WARNING, logger="jgrpo.train"):
+        trainer = train_module.Trainer(tiny_config(tmp_path, *off))
+    assert trainer.config.algorithm.pack_completions is False
+    assert "algorithm.pack_completions is off for this run" in caplog.text
+    assert "algorithm.shared_prompt_forward=true" in caplog.text
+    assert "divisible" not in caplog.text
+
+
 def test_an_error_while_compiling_ahead_reaches_the_caller(tmp_path):
     trainer = train_module.Trainer(tiny_config(tmp_path))
 
