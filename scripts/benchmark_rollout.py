@@ -8,9 +8,11 @@ One run, same weights, same shapes, printed side by side:
    (prefill dominates it), whose ratio shows that the prompt is prefilled once per prompt.
 
 Compilation is excluded (one warm-up call first, whose time is reported separately).
+`--bf16-weights` adds a jgrpo row sampling with `rollout.weights_dtype=bfloat16` (bf16 weight
+matrices, f32 sums; docs/training.md says what that rounds).
 
 Run: python scripts/benchmark_rollout.py [--preset tiny|llama-125m] [--prompts 8]
-     [--generations 8] [--prompt-length 64] [--new-tokens 128] [--repeats 3]
+     [--generations 8] [--prompt-length 64] [--new-tokens 128] [--repeats 3] [--bf16-weights]
 """
 
 from __future__ import annotations
@@ -41,8 +43,10 @@ def median_seconds(run, repeats: int) -> float:
     return statistics.median(times)
 
 
-def jgrpo_sampler(model, ids, mask, generations, new_tokens):
-    sampling = SamplingConfig(max_new_tokens=new_tokens, temperature=1.0)
+def jgrpo_sampler(model, ids, mask, generations, new_tokens, weights_dtype="float32"):
+    sampling = SamplingConfig(
+        max_new_tokens=new_tokens, temperature=1.0, weights_dtype=weights_dtype
+    )
     params = model.params()
 
     def run(seed):
@@ -70,6 +74,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--prefill-length", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--bf16-weights", action="store_true", help="also time jgrpo with bf16 sampling weights"
+    )
     args = parser.parse_args()
 
     config = models.preset(args.preset)
@@ -92,6 +99,13 @@ def main() -> None:
     sample(0)
     first_call_seconds = time.perf_counter() - start  # compile + one run
     jgrpo_seconds = median_seconds(lambda r: sample(r + 1), args.repeats)
+    bf16_seconds = None
+    if args.bf16_weights:
+        sample_bf16 = jgrpo_sampler(
+            model, ids, mask, args.generations, args.new_tokens, weights_dtype="bfloat16"
+        )
+        sample_bf16(0)  # compile
+        bf16_seconds = median_seconds(lambda r: sample_bf16(r + 1), args.repeats)
 
     torch_ids = torch.tensor(prompt_ids)
 
@@ -141,6 +155,10 @@ def main() -> None:
     print(f"{'jgrpo rollout':<28}{jgrpo_seconds:>10.2f}{generated / jgrpo_seconds:>12.0f}")
     print(f"{'transformers generate':<28}{torch_seconds:>10.2f}{generated / torch_seconds:>12.0f}")
     print(f"ratio jgrpo/transformers tokens/s: {torch_seconds / jgrpo_seconds:.2f}")
+    if bf16_seconds is not None:
+        label = "jgrpo rollout, bf16 weights"
+        print(f"{label:<28}{bf16_seconds:>10.2f}{generated / bf16_seconds:>12.0f}")
+        print(f"ratio jgrpo bf16 weights/transformers tokens/s: {torch_seconds / bf16_seconds:.2f}")
     print(f"jgrpo first call (compile + one run, excluded above): {first_call_seconds:.1f} s")
     print(
         f"\nprefill: {args.prompts} prompts x {args.prefill_length} tokens, 1 new token: "
