@@ -322,13 +322,26 @@ class TrainSection:
         "persistent XLA compilation cache, so a rerun starts without compiling (None = off; "
         "not used on several CPU devices, docs/troubleshooting.md)",
     )
+    profile_steps: int = option(
+        0, "trace this many steps with the JAX profiler into run_dir/profile (0 = off)"
+    )
+    profile_start: int = option(
+        2, "the first step traced, counted from 1 as in the metrics (step 1 compiles)"
+    )
 
     def check(self):
-        for name in ("steps", "save_every", "keep_checkpoints"):
+        for name in ("steps", "save_every", "keep_checkpoints", "profile_start"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}.")
         if self.eval_every < 0:
             raise ConfigError(f"train.eval_every must be >= 0, got {self.eval_every}.")
+        if self.profile_steps < 0:
+            raise ConfigError(f"train.profile_steps must be >= 0, got {self.profile_steps}.")
+        if self.profile_steps and self.profile_start > self.steps:
+            raise ConfigError(
+                f"train.profile_start={self.profile_start} is after the last step "
+                f"(train.steps={self.steps}), so nothing would be traced; lower it."
+            )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1182,6 +1182,30 @@ def _in_main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
+class StepProfiler:
+    """Traces steps `first` .. `first + count - 1` (counted from 1) with the JAX profiler into
+    `directory`, on every process (TensorBoard's profile plugin or XProf open the trace)."""
+
+    def __init__(self, directory: pathlib.Path, first: int, count: int):
+        self.directory, self.first, self.last = directory, first, first + count - 1
+        self.tracing = False
+
+    def before(self, step: int) -> None:
+        if not self.tracing and self.first <= step <= self.last:
+            logger.info("tracing steps %d-%d into %s", step, self.last, self.directory)
+            jax.profiler.start_trace(str(self.directory))
+            self.tracing = True
+
+    def after(self, step: int) -> None:  # the step's metrics are on the host: it has finished
+        if step >= self.last:
+            self.close()
+
+    def close(self) -> None:
+        if self.tracing:
+            jax.profiler.stop_trace()
+            self.tracing = False
+
+
 def train(
     config: Config,
     *,
@@ -1236,11 +1260,14 @@ def train(
         last_saved = done
 
     stopped = False
+    profiler = StepProfiler(run_dir / "profile", c.train.profile_start, c.train.profile_steps)
     try:
         with _Preemption() as preemption:
             while step < c.train.steps:
+                profiler.before(step + 1)
                 state, metrics, position = trainer.step(state, ref_params, step, position)
                 step += 1
+                profiler.after(step)
                 if not (np.isfinite(metrics["loss"]) and np.isfinite(metrics["grad_norm"])):
                     where = (
                         f"the last good checkpoint is step {last_saved} in {checkpointer.directory}"
@@ -1273,6 +1300,7 @@ def train(
                     stopped = True
                     break
     finally:
+        profiler.close()
         progress.close()
         if writer is not None:
             writer.close()

@@ -65,6 +65,11 @@ def test_round_trip_through_yaml(tmp_path):
         (["model.dtype=float16"], r"model\.dtype must be 'float32' or 'bfloat16'"),
         (["rollout.weights_dtype=fp8"], r"rollout\.weights_dtype must be 'float32' or 'bfloat16'"),
         (["model.matmul_dtype=fp16"], r"model\.matmul_dtype must be 'float32' or 'bfloat16'"),
+        (["train.profile_steps=-1"], r"train\.profile_steps must be >= 0"),
+        (
+            ["train.steps=3", "train.profile_steps=2", "train.profile_start=5"],
+            r"train\.profile_start=5 is after the last step \(train\.steps=3\)",
+        ),
     ],
 )
 def test_bad_overrides_name_the_field(overrides, message):

@@ -401,6 +401,32 @@ def test_packing_without_the_shared_prompt_forward_says_so(tmp_path, caplog):
     assert "divisible" not in caplog.text
 
 
+def test_profile_steps_trace_the_chosen_steps(tmp_path, monkeypatch):
+    """train.profile_steps traces steps profile_start .. profile_start + n - 1 into
+    run_dir/profile (a trace TensorBoard's profile plugin reads), and only those."""
+    calls = []
+    start, stop = jax.profiler.start_trace, jax.profiler.stop_trace
+
+    def start_trace(directory, *args, **kwargs):
+        calls.append(("start", len(read_metrics(tmp_path)) + 1, directory))
+        return start(directory, *args, **kwargs)
+
+    def stop_trace():
+        calls.append(("stop", len(read_metrics(tmp_path)), None))
+        return stop()
+
+    monkeypatch.setattr(jax.profiler, "start_trace", start_trace)
+    monkeypatch.setattr(jax.profiler, "stop_trace", stop_trace)
+    config = tiny_config(
+        tmp_path, "train.steps=4", "train.profile_steps=2", "train.profile_start=2"
+    )
+    train_module.train(config)
+    # started before step 2 (1 line of metrics written), stopped once step 3 had run and
+    # before its metrics were written (2 lines)
+    assert calls == [("start", 2, str(tmp_path / "profile")), ("stop", 2, None)]
+    assert list((tmp_path / "profile").rglob("*.xplane.pb"))
+
+
 def test_an_error_while_compiling_ahead_reaches_the_caller(tmp_path):
     trainer = train_module.Trainer(tiny_config(tmp_path))
 
