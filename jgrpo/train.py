@@ -256,13 +256,13 @@ def packing_obstacle(config: Config, *, grad_accumulation: int, batch_shards: in
     """Why `algorithm.pack_completions` cannot run with these settings, naming the field to
     change, or None when it can: packing works per group, on the shared-prompt update."""
     algo, rollout = config.algorithm, config.rollout
+    shared = shared_prompt_rows(
+        config, grad_accumulation=grad_accumulation, batch_shards=batch_shards
+    )
+    if shared > 1:
+        return None
     if not algo.shared_prompt_forward:
         return "it needs the shared-prompt update, algorithm.shared_prompt_forward=true"
-    if (
-        shared_prompt_rows(config, grad_accumulation=grad_accumulation, batch_shards=batch_shards)
-        > 1
-    ):
-        return None
     return (
         "it needs whole groups in every micro-batch and batch shard: "
         f"rollout.prompts_per_step={rollout.prompts_per_step} divisible by "
@@ -468,15 +468,14 @@ class Trainer:
         algo = config.algorithm
         self.completion_widths = completion_widths(r.max_new_tokens, algo.completion_buckets)
         self.kl_weight_in_reward = algo.beta if algo.kl_in_reward else 0.0
+        batch_shards = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
         self.update_config = update_config_of(
             config,
             beta_in_loss=0.0 if algo.kl_in_reward else algo.beta,
-            batch_shards=self.mesh.shape["data"] * self.mesh.shape["fsdp"],
+            batch_shards=batch_shards,
         )
         obstacle = packing_obstacle(
-            config,
-            grad_accumulation=algo.grad_accumulation,
-            batch_shards=self.mesh.shape["data"] * self.mesh.shape["fsdp"],
+            config, grad_accumulation=algo.grad_accumulation, batch_shards=batch_shards
         )
         if algo.pack_completions and obstacle:
             # Packing is a speed option with equal results: settings it cannot run with train

@@ -37,6 +37,7 @@ SCRIPTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(SCRIPTS))
 
 import compare_workload as workload  # noqa: E402
+from benchmark import ADDITION_PROMPTS  # noqa: E402
 from benchmark_compare import jgrpo_config, jgrpo_task  # noqa: E402
 
 SETTINGS = {
@@ -69,8 +70,6 @@ def main(argv: list[str] | None = None) -> int:
     presets = [o.split("=", 1)[1] for o in args.overrides if o.startswith("model.preset=")]
     if presets:  # a randomly initialised preset on the config's task: addition
         model_name, task = presets[-1], None
-        from benchmark import ADDITION_PROMPTS
-
         base = load_config(None, [*ADDITION_PROMPTS, "mesh.devices=1", *args.overrides])
     else:
         model_name, task = args.model, jgrpo_task()
