@@ -34,7 +34,7 @@ from models.group_decode import (
     prefill,
     unembedding_rows,
 )
-from models.transformer import logits_from_hidden, rope_tables, with_matmul_weights
+from models.transformer import logits_from_hidden, rope_tables, with_matmul_unembedding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,15 +229,21 @@ def rollout(
     completion buffers grow (`attention_phases`), so that attention reads about 5/8 of the
     cache slots it would read in one phase.
 
-    With `sampling.weights_dtype="bfloat16"` the weight matrices are cast once per rollout
-    (`models.transformer.with_matmul_weights`) and every product accumulates in f32: decoding
-    reads half the bytes, and tokens and their log-probs come from the policy with its
-    matrices rounded to bf16 (the update scores them with the f32 parameters).
+    With `sampling.weights_dtype="bfloat16"` the weight matrices are cast to bf16 and every
+    product accumulates in f32: decoding reads half the bytes, and tokens and their log-probs
+    come from the policy with its matrices rounded to bf16, as under
+    `models.transformer.with_matmul_weights` (the update scores them with the f32
+    parameters). The cast is fused into the passes that read the f32 weights anyway: the
+    decode layout (`decode_layers`, once per rollout) and the prefill's layer loop
+    (`forward(..., matmul_dtype=...)`, a layer at a time); a cast stacked copy cost XLA:CPU
+    two more passes over the weights (2-4% of a bf16 rollout of the compare workload).
     """
     prompts = prompt_ids.shape[0]
     rows, steps = prompts * num_generations, sampling.max_new_tokens
+    matmul_dtype = None
     if sampling.weights_dtype != "float32":
-        params = with_matmul_weights(params, jnp.dtype(sampling.weights_dtype))
+        matmul_dtype = jnp.dtype(sampling.weights_dtype)
+        params = with_matmul_unembedding(params, matmul_dtype)
 
     # Prefill: P rows; the G rows of a prompt share its cache and start from its last logits.
     cache_bytes = kv_cache_bytes(rows, steps, model_config, params["embed"].dtype)
@@ -249,10 +255,11 @@ def rollout(
         config=model_config,
         num_generations=num_generations,
         max_new_tokens=phases[0],  # completion slots of the first phase
+        matmul_dtype=matmul_dtype,
     )
     next_logits = jnp.repeat(logits_from_hidden(params, hidden), num_generations, axis=0)
     prompt_lengths = jnp.repeat(prompt_mask.astype(jnp.int32).sum(-1), num_generations)  # [P*G]
-    layers = decode_layers(params, model_config)
+    layers = decode_layers(params, model_config, matmul_dtype)
     # RoPE tables of every position a row reaches (prompt slots, then completion slots).
     rope = rope_tables(model_config, jnp.arange(prompt_ids.shape[1] + steps))  # [Lp+N, D/2] x2
     unembedding = unembedding_rows(params)  # [V, E]

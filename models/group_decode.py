@@ -58,7 +58,7 @@ def cache_bytes_per_slot(config: ModelConfig, dtype) -> int:
     return 2 * config.num_layers * config.num_kv_heads * config.head_dim * jnp.dtype(dtype).itemsize
 
 
-def decode_layers(params: dict, config: ModelConfig) -> list[dict]:
+def decode_layers(params: dict, config: ModelConfig, dtype=None) -> list[dict]:
     """Each layer's parameters as `decode_step` reads them: weight matrices as [out, in]
     (row-major on CPU, `row_major`), q/k/v stacked into one and gate/up into another, norm
     scales and biases as [out, 1] columns.
@@ -69,12 +69,14 @@ def decode_layers(params: dict, config: ModelConfig) -> list[dict]:
     call; for a [576, 1536] weight that took longer than the product itself). Stacked weights
     make one product whose row blocks are q, k, v (or gate, up). Made once per rollout,
     outside the decode loop: on CPU a transposed copy of the weights, elsewhere a transpose
-    that XLA folds into the products.
+    that XLA folds into the products. `dtype` (bf16 sampling weights) casts the weight
+    matrices in that same pass; norm scales and biases keep their dtype.
     """
 
     def rows_of(*kernels: jax.Array) -> jax.Array:  # [in, *out] each -> [sum(out), in]
         columns = [kernel.reshape(kernel.shape[0], -1) for kernel in kernels]
-        return row_major(jnp.concatenate(columns, axis=1).T)
+        stacked = jnp.concatenate(columns, axis=1).T
+        return row_major(stacked if dtype is None else stacked.astype(dtype))
 
     layers = []
     for i in range(config.num_layers):
@@ -121,9 +123,11 @@ def prefill(
     config: ModelConfig,
     num_generations: int,
     max_new_tokens: int,
+    matmul_dtype=None,
 ) -> tuple[jax.Array, GroupCache]:
     """Runs the P prompts once; returns their last hidden states [P, E] and a `GroupCache`
-    with the prompts' keys/values and empty completion buffers for P * G rows."""
+    with the prompts' keys/values and empty completion buffers for P * G rows. With
+    `matmul_dtype` the products take weights cast to it (`forward`'s argument)."""
     hidden, (k, v) = forward(
         params,
         prompt_ids,
@@ -131,6 +135,7 @@ def prefill(
         config=config,
         return_hidden=True,
         return_kv=True,
+        matmul_dtype=matmul_dtype,
     )  # k, v [L, P, K, Lp, D]
     dtype = params["embed"].dtype
     prompts = prompt_ids.shape[0]

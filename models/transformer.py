@@ -218,7 +218,9 @@ class Transformer(nnx.Module):
         )
 
 
-@functools.partial(jax.jit, static_argnames=("config", "return_hidden", "return_kv"))
+@functools.partial(
+    jax.jit, static_argnames=("config", "return_hidden", "return_kv", "matmul_dtype")
+)
 def forward(
     params: dict,
     input_ids: jax.Array,  # int[B, T]
@@ -229,6 +231,7 @@ def forward(
     cache: KVCache | None = None,
     return_hidden: bool = False,
     return_kv: bool = False,
+    matmul_dtype=None,
 ):
     """The decoder as a pure function of its parameters (jitted; inlined under an outer jit).
 
@@ -242,6 +245,11 @@ def forward(
 
     `return_kv` (no cache only) also returns the keys and values of every layer, k and v
     [L, B, K, T, D], as `(output, (k, v))`: a prefill for `models.group_decode`.
+
+    `matmul_dtype` (e.g. bf16) multiplies in that dtype with f32 sums, as the parameters of
+    `with_matmul_weights(params, matmul_dtype)` would (same values), but casts each layer's
+    kernels inside the layer loop: a cast stacked copy scanned over cost XLA:CPU two extra
+    passes over the weights (it slices the stack in f32, so it widened the bf16 copy back).
     """
     if return_kv and cache is not None:
         raise ValueError("return_kv is for a forward without a cache (a prefill).")
@@ -262,11 +270,16 @@ def forward(
     cos, sin = rope_tables(config, positions)  # [B, T, D/2] each
 
     x = embed_tokens(params["embed"], input_ids)  # [B, T, E]
+    if matmul_dtype is not None:
+        params = with_matmul_unembedding(params, matmul_dtype)
+
+    def cast(layer_params: dict) -> dict:
+        return layer_params if matmul_dtype is None else matmul_kernels(layer_params, matmul_dtype)
 
     if cache is None:
 
         def layer(x, layer_params):
-            x, kv = decoder_layer(config, layer_params, x, cos, sin, mask)
+            x, kv = decoder_layer(config, cast(layer_params), x, cos, sin, mask)
             return x, kv if return_kv else None
 
         if config.remat:
@@ -279,7 +292,7 @@ def forward(
             x, k, v = carry
             layer_params, index = scanned
             x, (k, v) = decoder_layer(
-                config, layer_params, x, cos, sin, mask, cache=(k, v, index), offset=offset
+                config, cast(layer_params), x, cos, sin, mask, cache=(k, v, index), offset=offset
             )
             return (x, k, v), None
 
@@ -352,16 +365,27 @@ def with_matmul_weights(params: dict, dtype) -> dict:
     bytes a decode step reads, and under `jax.grad` (the cast differentiates back to the
     f32 parameters) it is mixed-precision training (`jgrpo.UpdateConfig.matmul_dtype`).
     """
+    out = with_matmul_unembedding(params, dtype)
+    out["layers"] = matmul_kernels(params["layers"], dtype)
+    return out
+
+
+def with_matmul_unembedding(params: dict, dtype) -> dict:
+    """`params` with only the output projection in `dtype` (`with_matmul_weights`)."""
     out = dict(params)
-    out["layers"] = {
-        name: value.astype(dtype) if name.endswith("_kernel") else value
-        for name, value in params["layers"].items()
-    }
     if "lm_head" in params:
         out["lm_head"] = params["lm_head"].astype(dtype)
     else:
         out["tied_unembedding"] = params["embed"].astype(dtype)
     return out
+
+
+def matmul_kernels(layer_params: dict, dtype) -> dict:
+    """Layer parameters (stacked or one layer's) with the weight matrices in `dtype`."""
+    return {
+        name: value.astype(dtype) if name.endswith("_kernel") else value
+        for name, value in layer_params.items()
+    }
 
 
 def logits_from_hidden(params: dict, hidden: jax.Array) -> jax.Array:

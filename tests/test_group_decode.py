@@ -132,6 +132,19 @@ def test_prefill_then_group_decode_equals_full_forward(family, matmul_dtype, hf_
         assert gap.mean() < 2e-5 and gap.max() < 2e-3
 
 
+def test_decode_layers_cast_in_their_layout_pass_like_cast_parameters(hf_checkpoint):
+    """`decode_layers(params, config, bf16)` (the rollout's: f32 kernels cast as they are laid
+    out) gives the same arrays as laying out `with_matmul_weights(params, bf16)`."""
+    model = from_pretrained(hf_checkpoint("qwen2")[0])  # q/k/v biases stay f32
+    params, config = model.params(), model.config
+    got = decode_layers(params, config, jnp.bfloat16)
+    expected = decode_layers(with_matmul_weights(params, jnp.bfloat16), config)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(a, b)
+    assert got[0]["qkv"].dtype == jnp.bfloat16 and got[0]["qkv_bias"].dtype == jnp.float32
+
+
 def test_decode_products_read_the_weights_as_their_left_operand(hf_checkpoint):
     """Every weight product of a bf16 decode step and its logits is W^T [out, in] @ x^T [in, B],
     contracting the weight's minor axis and the activations' major one: the form in which

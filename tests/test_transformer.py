@@ -351,6 +351,32 @@ def test_bf16_weight_matrices_multiply_rounded_inputs_and_sum_in_f32():
     np.testing.assert_allclose(logits, expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("scanned", [False, True])
+def test_forward_matmul_dtype_equals_forward_over_cast_weights(scanned, monkeypatch):
+    """`forward(..., matmul_dtype=bf16)` casts each layer's kernels inside the layer loop; it
+    computes exactly what a forward over `with_matmul_weights(params, bf16)` computes, with
+    and without a KV cache, scanned or unrolled."""
+    import models.transformer
+    from models.transformer import with_matmul_weights
+
+    if scanned:
+        monkeypatch.setattr(models.transformer, "MAX_UNROLLED_LAYERS", 0)
+    jax.clear_caches()  # `forward` is jitted: trace it again under the current setting
+    config = preset("tiny")
+    params = Transformer(config, rngs=nnx.Rngs(0)).params()
+    cast = with_matmul_weights(params, jnp.bfloat16)
+    ids = jnp.asarray(batch()[0] % config.vocab_size)  # [2, T]
+    got = forward(params, ids, config=config, matmul_dtype=jnp.bfloat16)
+    np.testing.assert_array_equal(got, forward(cast, ids, config=config))
+    assert not np.array_equal(got, forward(params, ids, config=config))  # bf16 did round
+
+    cache = init_cache(config, ids.shape[0], ids.shape[1] + 2)
+    got, got_cache = forward(params, ids, config=config, cache=cache, matmul_dtype=jnp.bfloat16)
+    expected, expected_cache = forward(cast, ids, config=config, cache=cache)
+    np.testing.assert_array_equal(got, expected)
+    np.testing.assert_array_equal(got_cache.k, expected_cache.k)
+
+
 def test_mixed_matmul_rounds_operands_and_cotangent_and_sums_in_f32():
     """Forward and backward are bf16 products of the rounded operands (the cotangent rounded
     too), summed in f32; the f32 operand's gradient stays f32."""
