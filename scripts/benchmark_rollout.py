@@ -7,7 +7,9 @@ One run, same weights, same shapes, printed side by side:
 2. jgrpo's prefill cost against G: the time of a rollout with one new token for G=1 and G=16
    (prefill dominates it), whose ratio shows that the prompt is prefilled once per prompt.
 
-Compilation is excluded (one warm-up call first, whose time is reported separately).
+Compilation is excluded (one warm-up call first, whose time is reported separately). The
+script runs in the environment `python -m jgrpo.train` gives itself (glibc's huge-page
+tunable where it helps, `jgrpo.huge_pages`), so both samplers run as under the CLI.
 `--bf16-weights` adds a jgrpo row sampling with `rollout.weights_dtype=bfloat16` (bf16 weight
 matrices, f32 sums; docs/training.md says what that rounds).
 
@@ -31,6 +33,7 @@ from benchmark_models import write_checkpoint  # scripts/ is on sys.path when ru
 from transformers import AutoModelForCausalLM
 
 import models
+from jgrpo.huge_pages import TUNABLE, reexec_with_huge_pages
 from jgrpo.sampling import SamplingConfig, rollout
 
 
@@ -78,6 +81,7 @@ def main() -> None:
         "--bf16-weights", action="store_true", help="also time jgrpo with bf16 sampling weights"
     )
     args = parser.parse_args()
+    reexec_with_huge_pages()  # as the CLI does; returns where it would not help
 
     config = models.preset(args.preset)
     torch.set_num_threads(os.cpu_count())
@@ -165,6 +169,9 @@ def main() -> None:
         f"G=1 {prefill[1]:.3f} s, G=16 {prefill[16]:.3f} s, "
         f"ratio {prefill[16] / prefill[1]:.2f} (target <= 1.3)"
     )
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    if TUNABLE in tunables:
+        print(f"\nBoth samplers ran with GLIBC_TUNABLES={tunables}, as jgrpo's CLI runs itself.")
 
 
 if __name__ == "__main__":
