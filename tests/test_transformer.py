@@ -377,6 +377,25 @@ def test_forward_matmul_dtype_equals_forward_over_cast_weights(scanned, monkeypa
     np.testing.assert_array_equal(got_cache.k, expected_cache.k)
 
 
+def test_a_bf16_kv_cache_is_written_in_place():
+    """A cached forward of a bf16 model writes its new slots into the bf16 [L, B, K, S, D]
+    cache without widening it to f32 around the dynamic-update-slice (`write_slice`; the
+    group decode has its own check in test_sampling)."""
+    config = preset("tiny")
+    params = Transformer(config, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16).params()
+    cache = init_cache(config, 2, 16, jnp.bfloat16)
+
+    def step(params, ids, cache):
+        return forward(params, ids, config=config, cache=cache, attention_mask=jnp.ones((2, 16)))
+
+    ids = jnp.ones((2, 1), jnp.int32)
+    hlo = jax.jit(step).lower(params, ids, cache).compile().as_text()
+    shape = ",".join(map(str, cache.k.shape)) + "]"
+    writes = re.findall(r"= (\w+)\[" + re.escape(shape) + r"\S* dynamic-update-slice\(", hlo)
+    assert len(writes) >= 2  # keys and values
+    assert "f32" not in writes, writes  # 16 bits wide (bf16, or its bits)
+
+
 def test_mixed_matmul_rounds_operands_and_cotangent_and_sums_in_f32():
     """Forward and backward are bf16 products of the rounded operands (the cotangent rounded
     too), summed in f32; the f32 operand's gradient stays f32."""
