@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import runpy
 import statistics
 import sys
@@ -42,11 +43,19 @@ def matmul_peak_flops(size: int | None = None, repeats: int = 5, dtype=jnp.float
     accelerators (smaller ones do not fill a GPU)."""
     if size is None:
         size = 2048 if jax.default_backend() == "cpu" else 8192
+    matmul, a = _square_matmul(size, jnp.dtype(dtype))
+    best = min(_timed(lambda: matmul(a).block_until_ready()) for _ in range(repeats))
+    return 2 * size**3 / best
+
+
+@functools.cache
+def _square_matmul(size: int, dtype):
+    """The compiled [size, size] product and its operand, made once per process, so that
+    measuring the peak again between steps compiles nothing."""
     a = jax.random.normal(jax.random.key(0), (size, size), dtype)
     matmul = jax.jit(lambda x: jnp.dot(x, x, preferred_element_type=jnp.float32))
     matmul(a).block_until_ready()
-    best = min(_timed(lambda: matmul(a).block_until_ready()) for _ in range(repeats))
-    return 2 * size**3 / best
+    return matmul, a
 
 
 def forward_flops(
