@@ -58,7 +58,7 @@ def cache_bytes_per_slot(config: ModelConfig, dtype) -> int:
     return 2 * config.num_layers * config.num_kv_heads * config.head_dim * jnp.dtype(dtype).itemsize
 
 
-def decode_layers(params: dict, config: ModelConfig, dtype=None) -> list[dict]:
+def decode_layers(params: dict, config: ModelConfig, matmul_dtype=None) -> list[dict]:
     """Each layer's parameters as `decode_step` reads them: weight matrices as [out, in]
     (row-major on CPU, `row_major`), q/k/v stacked into one and gate/up into another, norm
     scales and biases as [out, 1] columns.
@@ -69,14 +69,14 @@ def decode_layers(params: dict, config: ModelConfig, dtype=None) -> list[dict]:
     call; for a [576, 1536] weight that took longer than the product itself). Stacked weights
     make one product whose row blocks are q, k, v (or gate, up). Made once per rollout,
     outside the decode loop: on CPU a transposed copy of the weights, elsewhere a transpose
-    that XLA folds into the products. `dtype` (bf16 sampling weights) casts the weight
+    that XLA folds into the products. `matmul_dtype` (bf16 sampling weights) casts the weight
     matrices in that same pass; norm scales and biases keep their dtype.
     """
 
     def rows_of(*kernels: jax.Array) -> jax.Array:  # [in, *out] each -> [sum(out), in]
         columns = [kernel.reshape(kernel.shape[0], -1) for kernel in kernels]
         stacked = jnp.concatenate(columns, axis=1).T
-        return row_major(stacked if dtype is None else stacked.astype(dtype))
+        return row_major(stacked if matmul_dtype is None else stacked.astype(matmul_dtype))
 
     layers = []
     for i in range(config.num_layers):

@@ -270,8 +270,6 @@ def forward(
     cos, sin = rope_tables(config, positions)  # [B, T, D/2] each
 
     x = embed_tokens(params["embed"], input_ids)  # [B, T, E]
-    if matmul_dtype is not None:
-        params = with_matmul_unembedding(params, matmul_dtype)
 
     def cast(layer_params: dict) -> dict:
         return layer_params if matmul_dtype is None else matmul_kernels(layer_params, matmul_dtype)
@@ -301,7 +299,12 @@ def forward(
         cache = KVCache(k=k, v=v, index=cache.index + length)
 
     hidden = rms_norm(x, params["final_norm"], config.rms_norm_eps)  # [B, T, E]
-    out = hidden if return_hidden else logits_from_hidden(params, hidden)
+    if return_hidden:
+        out = hidden
+    elif matmul_dtype is None:
+        out = logits_from_hidden(params, hidden)
+    else:
+        out = logits_from_hidden(with_matmul_unembedding(params, matmul_dtype), hidden)
     if return_kv:
         return out, layer_kv
     return out if cache is None else (out, cache)

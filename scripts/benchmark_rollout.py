@@ -33,7 +33,7 @@ from benchmark_models import write_checkpoint  # scripts/ is on sys.path when ru
 from transformers import AutoModelForCausalLM
 
 import models
-from jgrpo.huge_pages import TUNABLE, reexec_with_huge_pages
+from jgrpo.huge_pages import reexec_with_huge_pages
 from jgrpo.sampling import SamplingConfig, rollout
 
 
@@ -169,8 +169,8 @@ def main() -> None:
         f"G=1 {prefill[1]:.3f} s, G=16 {prefill[16]:.3f} s, "
         f"ratio {prefill[16] / prefill[1]:.2f} (target <= 1.3)"
     )
-    tunables = os.environ.get("GLIBC_TUNABLES", "")
-    if TUNABLE in tunables:
+    tunables = os.environ.get("GLIBC_TUNABLES")
+    if tunables:
         print(f"\nBoth samplers ran with GLIBC_TUNABLES={tunables}, as jgrpo's CLI runs itself.")
 
 

@@ -269,7 +269,7 @@ def test_projections_share_one_reshape_of_their_input_and_keep_kernels_as_they_a
     assert "f32[64,64]" not in saved and "f32[64,32]" not in saved  # no reshaped kernels
 
 
-def test_scanned_and_unrolled_layers_agree(monkeypatch):
+def test_scanned_and_unrolled_layers_agree(monkeypatch, request):
     """Shallow models loop over their layers in Python, deeper ones scan: same results."""
     import models.transformer
     from models.group_forward import group_completion_hidden
@@ -302,6 +302,7 @@ def test_scanned_and_unrolled_layers_agree(monkeypatch):
 
     unrolled = value_and_grads()
     monkeypatch.setattr(models.transformer, "MAX_UNROLLED_LAYERS", 0)
+    request.addfinalizer(jax.clear_caches)  # leave no scanned trace to later tests
     scanned = value_and_grads()
     for a, b in zip(jax.tree.leaves(unrolled), jax.tree.leaves(scanned), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)
@@ -352,7 +353,7 @@ def test_bf16_weight_matrices_multiply_rounded_inputs_and_sum_in_f32():
 
 
 @pytest.mark.parametrize("scanned", [False, True])
-def test_forward_matmul_dtype_equals_forward_over_cast_weights(scanned, monkeypatch):
+def test_forward_matmul_dtype_equals_forward_over_cast_weights(scanned, monkeypatch, request):
     """`forward(..., matmul_dtype=bf16)` casts each layer's kernels inside the layer loop; it
     computes exactly what a forward over `with_matmul_weights(params, bf16)` computes, with
     and without a KV cache, scanned or unrolled."""
@@ -362,6 +363,7 @@ def test_forward_matmul_dtype_equals_forward_over_cast_weights(scanned, monkeypa
     if scanned:
         monkeypatch.setattr(models.transformer, "MAX_UNROLLED_LAYERS", 0)
     jax.clear_caches()  # `forward` is jitted: trace it again under the current setting
+    request.addfinalizer(jax.clear_caches)  # and leave no scanned trace to later tests
     config = preset("tiny")
     params = Transformer(config, rngs=nnx.Rngs(0)).params()
     cast = with_matmul_weights(params, jnp.bfloat16)
