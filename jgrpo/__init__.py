@@ -9,7 +9,7 @@ import importlib
 
 from jgrpo.advantages import GroupStats, group_advantages, group_statistics
 from jgrpo.logprobs import chunked_token_logprobs, token_logprobs
-from jgrpo.losses import grpo_loss, sequence_kl, token_kl
+from jgrpo.losses import grpo_loss, sampler_weights, sequence_kl, token_kl
 
 _LAZY = {
     "generate": "jgrpo.generation",
@@ -41,6 +41,7 @@ __all__ = [
     "init_state",
     "make_optimizer",
     "rollout",
+    "sampler_weights",
     "sequence_kl",
     "token_kl",
     "token_logprobs",

@@ -23,7 +23,7 @@ import yaml
 from jgrpo._checks import check_choice
 from jgrpo.advantages import SCALES, STD_DDOFS
 from jgrpo.distributed import INITIALIZE_CHOICES
-from jgrpo.losses import KL_ESTIMATORS, LOSS_TYPES, RATIO_LEVELS
+from jgrpo.losses import KL_ESTIMATORS, LOSS_TYPES, RATIO_LEVELS, SAMPLER_CORRECTION_LEVELS
 
 
 class ConfigError(ValueError):
@@ -121,6 +121,12 @@ class AlgorithmSection:
     kl_estimator: str = option("k3", "KL estimator: k1, k2 or k3")
     kl_in_reward: bool = option(False, "subtract beta x sequence KL from the reward, not the loss")
     ratio_level: str = option("token", "importance ratio per token, or per sequence (GSPO)")
+    sampler_correction: str = option(
+        "none",
+        "weight each token's loss by min(pi / pi_sampler, cap) per token or sequence, for a "
+        "sampler that differs from the policy (rollout.weights_dtype=bfloat16); none = off",
+    )
+    sampler_correction_cap: float = option(2.0, "the sampler correction's largest weight")
     num_iterations: int = option(1, "mu: update passes over each rollout")
     num_minibatches: int = option(1, "optimizer steps per pass")
     grad_accumulation: int = option(1, "micro-batches per minibatch")
@@ -150,6 +156,7 @@ class AlgorithmSection:
             "loss_type": LOSS_TYPES,
             "kl_estimator": KL_ESTIMATORS,
             "ratio_level": RATIO_LEVELS,
+            "sampler_correction": ("none", *SAMPLER_CORRECTION_LEVELS),
             "std_ddof": STD_DDOFS,
         }
         for name, accepted in choices.items():
@@ -169,6 +176,11 @@ class AlgorithmSection:
         for name in ("max_extra_rollouts", "overlong_buffer"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"algorithm.{name} must be >= 0, got {getattr(self, name)}.")
+        if not self.sampler_correction_cap >= 1:
+            raise ConfigError(
+                "algorithm.sampler_correction_cap must be >= 1 (the largest weight), got "
+                f"{self.sampler_correction_cap}."
+            )
         if self.kl_in_reward and self.beta == 0:
             raise ConfigError("algorithm.kl_in_reward needs algorithm.beta > 0 (its weight).")
 

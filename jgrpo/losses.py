@@ -14,6 +14,7 @@ from jgrpo._checks import check_choice, check_shape
 LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 RATIO_LEVELS = ("token", "sequence")
+SAMPLER_CORRECTION_LEVELS = ("token", "sequence")
 
 
 def token_kl(
@@ -56,6 +57,45 @@ def sequence_kl(
     return jnp.where(mask.astype(bool), kl, 0.0).sum(axis=-1)
 
 
+def sampler_weights(
+    logprobs: jax.Array,  # f32[B, T] sampled tokens under the policy before the update
+    sampler_logprobs: jax.Array,  # f32[B, T] the same tokens under the sampler that drew them
+    mask: jax.Array,  # [B, T], nonzero on completion tokens
+    *,
+    level: str = "token",
+    cap: float = 2.0,
+) -> jax.Array:  # f32[B, T], 0 off the mask, no gradient
+    """Truncated importance weights w = min(pi / pi_sampler, cap) for a mismatched sampler.
+
+    When the completions come from a sampler that is not exactly the policy being trained
+    (bf16 weights, another inference engine), the loss's expectations over the policy are
+    estimated from the sampler's tokens; weighting each token's loss by w corrects that,
+    and the cap bounds the variance (truncated importance sampling, as TRL's
+    `vllm_importance_sampling_correction` and verl's rollout correction do):
+
+        level="token":    w_t = min(exp(logprobs_t - sampler_logprobs_t), cap)
+        level="sequence": w_t = min(exp(sum over the row's tokens of that difference), cap)
+
+    Pass the result as `grpo_loss(..., sampler_weights=w)`. `logprobs` are the policy's
+    before this update (the `old_logprobs` of `grpo_loss`).
+    """
+    check_choice("level", level, SAMPLER_CORRECTION_LEVELS)
+    check_shape("logprobs", logprobs, ndim=2)
+    check_shape("sampler_logprobs", sampler_logprobs, like=("logprobs", logprobs))
+    check_shape("mask", mask, like=("logprobs", logprobs))
+    if not cap >= 1:
+        raise ValueError(f"cap must be >= 1 (the largest weight), got {cap}.")
+    on = mask.astype(bool)
+    log_weight = jnp.where(
+        on, logprobs.astype(jnp.float32) - sampler_logprobs.astype(jnp.float32), 0.0
+    )  # [B, T]
+    if level == "sequence":
+        log_weight = jnp.broadcast_to(log_weight.sum(axis=-1, keepdims=True), log_weight.shape)
+    log_cap = jnp.log(jnp.float32(cap))
+    weight = jnp.where(log_weight < log_cap, jnp.exp(jnp.minimum(log_weight, log_cap)), cap)
+    return jax.lax.stop_gradient(jnp.where(on, weight, 0.0))
+
+
 def grpo_loss(
     logprobs: jax.Array,  # f32[B, T] sampled tokens under the current policy
     old_logprobs: jax.Array,  # f32[B, T] under the policy that sampled them
@@ -71,6 +111,7 @@ def grpo_loss(
     ratio_level: str = "token",
     max_completion_length: int | None = None,
     total_tokens: jax.Array | int | None = None,
+    sampler_weights: jax.Array | None = None,  # f32[B, T] from `sampler_weights`
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Clipped-ratio policy loss with an optional KL penalty; returns (scalar loss, metrics).
 
@@ -82,6 +123,8 @@ def grpo_loss(
 
     KL_t is `token_kl(logprobs, ref_logprobs, kl_estimator=...)`. On-policy (one update per
     rollout) pass `old_logprobs=jax.lax.stop_gradient(logprobs)`, so r = 1 with gradient.
+    `sampler_weights` w (no gradient), when given, multiply each token's loss: L_t w_t, the
+    correction for tokens drawn by a sampler other than the policy (`sampler_weights`).
 
     Aggregation of L over the mask m:
         "grpo":    mean over sequences with >= 1 completion token of sum_t(L m) / sum_t(m)
@@ -104,6 +147,8 @@ def grpo_loss(
     check_shape("advantages", advantages, shape=logprobs.shape[:1])
     if ref_logprobs is not None:
         check_shape("ref_logprobs", ref_logprobs, like=("logprobs", logprobs))
+    if sampler_weights is not None:
+        check_shape("sampler_weights", sampler_weights, like=("logprobs", logprobs))
     if beta < 0:
         raise ValueError(f"beta must be >= 0 (0 disables the KL penalty), got {beta}.")
     if beta > 0 and ref_logprobs is None:
@@ -138,6 +183,8 @@ def grpo_loss(
         kl = token_kl(logprobs, ref_logprobs, kl_estimator=kl_estimator)  # [B, T]
         if beta > 0:
             per_token = per_token + beta * kl
+    if sampler_weights is not None:
+        per_token = per_token * jax.lax.stop_gradient(sampler_weights.astype(jnp.float32))
 
     masked_sum = (per_token * weights).sum()
     if loss_type == "grpo":

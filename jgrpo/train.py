@@ -291,6 +291,8 @@ def update_config_of(config: Config, *, beta_in_loss: float, batch_shards: int =
         matmul_dtype=config.model.matmul_dtype,
         # dr_grpo divides by the length limit, not by a trimmed batch's width
         max_completion_length=config.rollout.max_new_tokens,
+        sampler_correction=algo.sampler_correction,
+        sampler_correction_cap=algo.sampler_correction_cap,
     )
 
 
@@ -383,6 +385,7 @@ class Groups:
     prompt_mask: np.ndarray  # int32[R, L]
     tokens: np.ndarray  # int32[R, N]
     mask: np.ndarray  # bool[R, N]
+    sampler_logprobs: np.ndarray  # f32[R, N]: the rollout's, 0 where masked
     lengths: np.ndarray  # int32[R]
     truncated: np.ndarray  # bool[R]
     rewards: np.ndarray  # f32[R]: weighted sum + penalties
@@ -559,7 +562,7 @@ class Trainer:
         if self.config.algorithm.pack_completions:  # [P * Gb, N] and [B, N], split like rows
             packed = PackedCompletions(self.row_matrix, self.row_matrix)
         self.batch_shardings = Batch(
-            self.row_matrix, self.row_matrix, self.row_matrix, self.rows, packed
+            self.row_matrix, self.row_matrix, self.row_matrix, self.rows, packed, self.row_matrix
         )
         params = self.model.params()
         self.param_shardings = tree_shardings(
@@ -639,6 +642,7 @@ class Trainer:
                 completion_mask=jax.ShapeDtypeStruct((rows, width), jnp.bool_),
                 advantages=jax.ShapeDtypeStruct((rows,), jnp.float32),
                 packed=packed,
+                sampler_logprobs=jax.ShapeDtypeStruct((rows, width), jnp.float32),
             ),
             self.batch_shardings,
         )
@@ -797,6 +801,7 @@ class Trainer:
             prompt_mask=repeat(prompt_mask),
             tokens=tokens,
             mask=np.asarray(host.mask),
+            sampler_logprobs=np.asarray(host.logprobs),
             lengths=lengths,
             truncated=np.asarray(host.truncated),
             rewards=rewards,
@@ -941,6 +946,7 @@ class Trainer:
             completion_mask=completion_mask,
             advantages=np.asarray(advantages, np.float32),
             packed=packed,
+            sampler_logprobs=groups.sampler_logprobs[:, :width],
         )
         return jax.tree.map(self.block.to_global, batch, self.batch_shardings)
 
@@ -1149,6 +1155,9 @@ def _update_metrics(update: dict[str, np.ndarray]) -> dict[str, float]:
         "ratio_mean": "ratio/mean",
         "entropy": "entropy",
         "grad_norm": "grad_norm",
+        "sampler_gap": "sampler/gap",
+        "sampler_weight_mean": "sampler/weight_mean",
+        "sampler_capped_frac": "sampler/capped_frac",
     }
     metrics = {ours: float(np.mean(update[key])) for key, ours in names.items() if key in update}
     if "lr" in update:

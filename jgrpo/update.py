@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import optax
 
 from jgrpo.logprobs import chunked_token_logprobs
-from jgrpo.losses import grpo_loss
+from jgrpo.losses import SAMPLER_CORRECTION_LEVELS, grpo_loss, sampler_weights
 from models.config import ModelConfig
 from models.group_forward import (
     PackedCompletions,
@@ -63,6 +63,8 @@ class UpdateConfig:
     shared_prompt_rows: int = 1  # G: rows that repeat one prompt; 1 = every row in full
     matmul_dtype: str = "float32"  # "bfloat16": bf16 products, f32 sums (completion_logprobs)
     max_completion_length: int | None = None  # dr_grpo's divisor; None = the batch's width
+    sampler_correction: str = "none"  # "token" / "sequence": weight by min(pi / pi_sampler, cap)
+    sampler_correction_cap: float = 2.0
 
     def __post_init__(self):
         for name in ("num_iterations", "num_minibatches", "grad_accumulation"):
@@ -85,6 +87,15 @@ class UpdateConfig:
             raise ValueError(
                 f"matmul_dtype must be 'float32' or 'bfloat16', got {self.matmul_dtype!r}."
             )
+        if self.sampler_correction not in ("none", *SAMPLER_CORRECTION_LEVELS):
+            raise ValueError(
+                "sampler_correction must be 'none', 'token' or 'sequence', got "
+                f"{self.sampler_correction!r}."
+            )
+        if not self.sampler_correction_cap >= 1:
+            raise ValueError(
+                f"sampler_correction_cap must be >= 1, got {self.sampler_correction_cap}."
+            )
 
     @property
     def needs_old_logprobs(self) -> bool:
@@ -104,7 +115,9 @@ class Batch(NamedTuple):
     """One rollout: B = prompts x generations sequences of prompt (L) + completion (N).
 
     `packed` (`jgrpo.packing.pack_completions`) runs each group's completions in fewer rows
-    than G; it needs `UpdateConfig.shared_prompt_rows` = G.
+    than G; it needs `UpdateConfig.shared_prompt_rows` = G. `sampler_logprobs` (the
+    rollout's) give the `sampler_gap` metric and, with `UpdateConfig.sampler_correction`,
+    the loss's importance weights for a sampler that differs from the policy.
     """
 
     input_ids: jax.Array  # int32[B, L + N]: left-padded prompt, then completion
@@ -112,6 +125,7 @@ class Batch(NamedTuple):
     completion_mask: jax.Array  # [B, N]: completion tokens that enter the loss
     advantages: jax.Array  # f32[B]
     packed: PackedCompletions | None = None
+    sampler_logprobs: jax.Array | None = None  # f32[B, N]: the completions under the sampler
 
 
 @functools.lru_cache(maxsize=32)
@@ -253,7 +267,10 @@ def train_step(
     Returns the new state and metrics, each of shape [num_iterations, num_minibatches] (so
     callers can see, for instance, the ratio move away from 1 in the second pass): `loss`,
     `ratio_mean`, `clip_frac_low`, `clip_frac_high`, `entropy`, `grad_norm`, `lr`, and
-    `kl_mean` when beta > 0.
+    `kl_mean` when beta > 0. With `batch.sampler_logprobs`: `sampler_gap`, the mean
+    |old log-prob - sampler log-prob| over the completion tokens; with `sampler_correction`
+    too, `sampler_weight_mean` and `sampler_capped_frac` (the share of tokens whose weight
+    the cap cut).
     """
     cfg = update_config
     rows = batch.advantages.shape[0]
@@ -270,6 +287,11 @@ def train_step(
         )
     if cfg.beta > 0 and ref_params is None:
         raise ValueError(f"beta={cfg.beta} > 0 needs ref_params (the frozen initial weights).")
+    if cfg.sampler_correction != "none" and batch.sampler_logprobs is None:
+        raise ValueError(
+            f"sampler_correction={cfg.sampler_correction!r} needs batch.sampler_logprobs (the "
+            "rollout's log-probs); pass them or set sampler_correction='none'."
+        )
     logprobs_of = functools.partial(
         completion_logprobs,
         model_config=model_config,
@@ -294,6 +316,11 @@ def train_step(
     def loss_fn(params, micro, micro_extras, minibatch_tokens):
         logprobs, entropy = logprobs_of(params, micro)
         old = micro_extras.get("old_logprobs", jax.lax.stop_gradient(logprobs))
+        weights, sampler_metrics = None, {}
+        if micro.sampler_logprobs is not None:
+            weights, sampler_metrics = _sampler_terms(
+                old, micro.sampler_logprobs, micro.completion_mask, cfg
+            )
         loss, metrics = grpo_loss(
             logprobs,
             old,
@@ -308,7 +335,9 @@ def train_step(
             ratio_level=cfg.ratio_level,
             total_tokens=minibatch_tokens,
             max_completion_length=cfg.max_completion_length,
+            sampler_weights=weights,
         )
+        metrics.update(sampler_metrics)
         mask = micro.completion_mask.astype(jnp.float32)
         metrics["entropy"] = (entropy * mask).sum() / jnp.maximum(mask.sum(), 1.0)
         metrics["loss"] = loss
@@ -350,6 +379,32 @@ def train_step(
         return jax.lax.scan(minibatch_step, state, minibatches)
 
     return jax.lax.scan(one_pass, state, None, length=cfg.num_iterations)
+
+
+def _sampler_terms(
+    old_logprobs: jax.Array,  # f32[B, N] the policy's before the update
+    sampler_logprobs: jax.Array,  # f32[B, N] the rollout's
+    completion_mask: jax.Array,  # [B, N]
+    cfg: UpdateConfig,
+) -> tuple[jax.Array | None, dict[str, jax.Array]]:
+    """The loss's sampler weights (None without a correction) and the sampler metrics."""
+    on = completion_mask.astype(bool)
+    tokens = jnp.maximum(on.sum(), 1).astype(jnp.float32)
+    gap = jnp.where(on, jnp.abs(old_logprobs - sampler_logprobs.astype(jnp.float32)), 0.0)
+    metrics = {"sampler_gap": gap.sum() / tokens}
+    if cfg.sampler_correction == "none":
+        return None, jax.lax.stop_gradient(metrics)
+    weights = sampler_weights(
+        old_logprobs,
+        sampler_logprobs,
+        completion_mask,
+        level=cfg.sampler_correction,
+        cap=cfg.sampler_correction_cap,
+    )  # [B, N]
+    capped = on & (weights >= cfg.sampler_correction_cap)
+    metrics["sampler_weight_mean"] = weights.sum() / tokens
+    metrics["sampler_capped_frac"] = capped.sum() / tokens
+    return weights, jax.lax.stop_gradient(metrics)
 
 
 def init_state(params: dict, optimizer: optax.GradientTransformation) -> TrainState:

@@ -40,6 +40,7 @@ API = (
             "jgrpo.group_statistics",
             "jgrpo.GroupStats",
             "jgrpo.grpo_loss",
+            "jgrpo.sampler_weights",
             "jgrpo.token_kl",
             "jgrpo.sequence_kl",
             "jgrpo.token_logprobs",

@@ -65,6 +65,14 @@ def test_round_trip_through_yaml(tmp_path):
         (["model.dtype=float16"], r"model\.dtype must be 'float32' or 'bfloat16'"),
         (["rollout.weights_dtype=fp8"], r"rollout\.weights_dtype must be 'float32' or 'bfloat16'"),
         (["model.matmul_dtype=fp16"], r"model\.matmul_dtype must be 'float32' or 'bfloat16'"),
+        (
+            ["algorithm.sampler_correction=tis"],
+            r"algorithm\.sampler_correction must be one of 'none', 'token', 'sequence'",
+        ),
+        (
+            ["algorithm.sampler_correction_cap=0.9"],
+            r"algorithm\.sampler_correction_cap must be >= 1",
+        ),
         (["train.profile_steps=-1"], r"train\.profile_steps must be >= 0"),
         (
             ["train.steps=3", "train.profile_steps=2", "train.profile_start=5"],

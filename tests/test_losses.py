@@ -255,6 +255,10 @@ def test_total_tokens_may_be_a_traced_array():
         (dict(ref_logprobs=jnp.zeros((2,))), "ref_logprobs must have the same shape as logprobs"),
         (dict(logprobs=jnp.zeros((2, 3, 1))), "logprobs must have 2 dimensions"),
         (dict(max_completion_length=0), "max_completion_length must be >= 1"),
+        (
+            dict(sampler_weights=jnp.ones((2, 4))),
+            "sampler_weights must have the same shape as logprobs",
+        ),
     ],
 )
 def test_bad_input_names_the_argument(kwargs, message):
@@ -272,6 +276,16 @@ def test_bad_input_names_the_argument(kwargs, message):
         )
 
 
+def test_bad_sampler_weights_input_names_the_argument():
+    old, sampler, mask = jnp.array(OLD), jnp.array(SAMPLER), jnp.array(MASK)
+    with pytest.raises(ValueError, match="level must be one of 'token', 'sequence'"):
+        jgrpo.sampler_weights(old, sampler, mask, level="group")
+    with pytest.raises(ValueError, match="cap must be >= 1"):
+        jgrpo.sampler_weights(old, sampler, mask, cap=0.5)
+    with pytest.raises(ValueError, match="sampler_logprobs must have the same shape"):
+        jgrpo.sampler_weights(old, sampler[:, :2], mask)
+
+
 def test_aggregation_example_in_docs():
     """docs/objective.md: row 0 has loss 1 on 2 tokens, row 1 has 0.5 on 4, row 2 is padding."""
     mask = jnp.array([[1, 1, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0]])
@@ -283,3 +297,65 @@ def test_aggregation_example_in_docs():
             zeros, zeros, advantages, mask, beta=0.0, loss_type=loss_type, total_tokens=12
         )
         np.testing.assert_allclose(loss, value, rtol=1e-6)
+
+
+# The sampler's log-probs of the tokens above: log(pi / pi_sampler) = OLD - SAMPLER is
+# row 0 [log 1.5, log 3, (pad)], row 1 [0, -log 2, log 1.25].
+SAMPLER = [
+    [-1.5 - math.log(1.5), -0.5 - math.log(3.0), 7.0],
+    [-0.3, -1.2 + math.log(2.0), -0.95 - math.log(1.25)],
+]
+
+
+@pytest.mark.parametrize(
+    ("level", "cap", "expected"),
+    [
+        ("token", 2.0, [[1.5, 2.0, 0.0], [1.0, 0.5, 1.25]]),
+        ("token", 4.0, [[1.5, 3.0, 0.0], [1.0, 0.5, 1.25]]),
+        # sequences: 1.5 * 3 = 4.5 and 1 * 0.5 * 1.25 = 0.625, on each of their tokens
+        ("sequence", 2.0, [[2.0, 2.0, 0.0], [0.625, 0.625, 0.625]]),
+        ("sequence", 5.0, [[4.5, 4.5, 0.0], [0.625, 0.625, 0.625]]),
+    ],
+)
+def test_sampler_weights_by_hand(level, cap, expected):
+    weights = jgrpo.sampler_weights(
+        jnp.array(OLD), jnp.array(SAMPLER), jnp.array(MASK), level=level, cap=cap
+    )
+    np.testing.assert_allclose(weights, expected, rtol=1e-6)
+    assert weights.dtype == jnp.float32
+
+
+def test_sampler_weights_carry_no_gradient_and_never_overflow():
+    def total(old):
+        return jgrpo.sampler_weights(old, jnp.array(SAMPLER), jnp.array(MASK)).sum()
+
+    np.testing.assert_array_equal(jax.grad(total)(jnp.array(OLD)), np.zeros((2, 3)))
+    far = jnp.array([[500.0, 0.0, 0.0]])  # exp(500) overflows f32
+    weights = jgrpo.sampler_weights(far, jnp.zeros((1, 3)), jnp.ones((1, 3)), level="sequence")
+    np.testing.assert_array_equal(weights, [[2.0, 2.0, 2.0]])
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_sampler_weights_multiply_each_tokens_loss(loss_type):
+    """The loss with weights w is the loss whose per-token terms are scaled by w: checked
+    through the gradient, token by token, at the on-policy point."""
+    logprobs, _, advantages, mask = arrays()
+    weights = jgrpo.sampler_weights(jnp.array(OLD), jnp.array(SAMPLER), mask)
+
+    def loss(lp, w=None):
+        return jgrpo.grpo_loss(
+            lp,
+            jax.lax.stop_gradient(lp),
+            advantages,
+            mask,
+            ref_logprobs=jnp.array(REF),
+            beta=0.04,
+            loss_type=loss_type,
+            sampler_weights=w,
+        )[0]
+
+    plain = jax.grad(loss)(logprobs)
+    weighted = jax.grad(loss)(logprobs, weights)
+    np.testing.assert_allclose(weighted, plain * np.asarray(weights), rtol=1e-6, atol=1e-8)
+    ones = jnp.where(mask.astype(bool), 1.0, 0.0)
+    np.testing.assert_allclose(loss(logprobs, ones), loss(logprobs), rtol=1e-6)

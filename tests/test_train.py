@@ -55,6 +55,7 @@ REQUIRED_METRICS = {
     "truncated_frac",
     "lr",
     "grad_norm",
+    "sampler/gap",
     "time/rollout",
     "time/reward",
     "time/update",
@@ -93,6 +94,7 @@ def test_end_to_end_metrics_checkpoints_eval_and_export(tmp_path, count_compiles
         assert line.keys() >= REQUIRED_METRICS, REQUIRED_METRICS - line.keys()
         assert 0 <= line["eval/accuracy"] <= 1 and 0 <= line["frac_zero_std"] <= 1
         assert 0 < line["completion_len/mean"] <= 4
+        assert line["sampler/gap"] < 1e-4  # the f32 sampler is the policy being trained
     # Nothing compiles after the first step (rollout, update, eval all reuse their programs).
     assert compiles_after[4] == compiles_after[1], compiles_after
     assert list((tmp_path / "tensorboard").iterdir())
@@ -685,6 +687,43 @@ def test_bf16_matmuls_reach_the_update_and_the_reference_logprobs(tmp_path):
     np.testing.assert_allclose(frozen, scored["bfloat16"], rtol=1e-6, atol=1e-6)
     assert np.abs(frozen - np.asarray(scored["float32"])).max() > 1e-6
     assert train_module.train(config).steps_done == 1
+
+
+def test_bf16_sampling_with_the_sampler_correction(tmp_path):
+    """rollout.weights_dtype=bfloat16 samples from a policy a little off the f32 one; the
+    rollout's log-probs reach the update, which logs their gap to the f32 policy's and
+    weights each token by min(pi / pi_sampler, cap) (algorithm.sampler_correction)."""
+    config = tiny_config(
+        tmp_path,
+        "rollout.weights_dtype=bfloat16",
+        "algorithm.sampler_correction=token",
+        "algorithm.sampler_correction_cap=1.0002",
+        "train.steps=1",
+        "train.eval_every=0",
+        "train.export=false",
+    )
+    trainer = train_module.Trainer(config)
+    assert trainer.update_config.sampler_correction == "token"
+    params = trainer.initial_params()
+    groups, _, _ = trainer.collect(params, None, jax.random.key(1), 0)
+    batch = trainer.to_batch(groups, np.zeros(len(groups.rewards), np.float32))
+    np.testing.assert_array_equal(batch.sampler_logprobs, groups.sampler_logprobs)
+    policy = np.asarray(trainer.frozen_logprobs(params, batch))  # f32 weights
+    mask = groups.mask
+    log_ratio = (policy - groups.sampler_logprobs)[mask]
+    gap = np.abs(log_ratio).mean()
+    assert 1e-5 < gap < 0.05, gap  # bf16 rounding of the weights, no more
+    cap = np.float32(1.0002)  # the tiny model's bf16 weights move a token's ratio by ~1e-4
+    weights = np.minimum(np.exp(log_ratio), cap)
+    capped = (weights == cap).mean()
+    assert 0 < capped < 1  # the cap cuts some tokens
+    _, metrics = trainer.compiled_update()(trainer.initial_state(params), batch, None)
+    np.testing.assert_allclose(metrics["sampler_gap"][0, 0], gap, rtol=1e-3)
+    np.testing.assert_allclose(metrics["sampler_weight_mean"][0, 0], weights.mean(), rtol=1e-5)
+    np.testing.assert_allclose(metrics["sampler_capped_frac"][0, 0], capped, atol=1e-6)
+    assert train_module.train(config).steps_done == 1
+    logged = read_metrics(tmp_path)[-1]
+    assert {"sampler/gap", "sampler/weight_mean", "sampler/capped_frac"} <= logged.keys()
 
 
 def test_a_prompt_longer_than_the_limit_is_an_error_not_a_truncation(tmp_path):

@@ -229,6 +229,60 @@ def test_cosine_without_warmup_starts_at_the_full_rate(total_steps):
     np.testing.assert_allclose(lrs, expected, rtol=1e-5)
 
 
+def with_sampler(batch, sampler_logprobs):
+    return batch._replace(sampler_logprobs=jnp.asarray(sampler_logprobs, jnp.float32))
+
+
+def test_sampler_gap_is_the_mean_distance_to_the_samplers_logprobs(params):
+    batch, out = rollout_batch(params)
+    _, metrics = step(params, with_sampler(batch, out.logprobs))
+    assert float(metrics["sampler_gap"][0, 0]) < 1e-5  # the f32 sampler is the policy
+    assert "sampler_weight_mean" not in metrics  # no correction asked for
+    shift = np.where(np.arange(NEW_TOKENS) % 2, 0.3, -0.1)  # [N]: 0.3 on odd columns
+    _, metrics = step(params, with_sampler(batch, out.logprobs + shift))
+    mask = np.asarray(batch.completion_mask)
+    expected = (np.abs(shift) * mask).sum() / mask.sum()
+    np.testing.assert_allclose(metrics["sampler_gap"][0, 0], expected, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("correction", "log_weight", "expected_weight"),
+    [
+        ("token", np.log(1.5), 1.5),  # every token weighs 1.5
+        ("token", np.log(3.0), 2.0),  # capped at 2
+        ("sequence", np.log(1.5), 1.5),  # the first token's 1.5 on every token of its row
+    ],
+)
+def test_sampler_correction_scales_the_gradient(params, correction, log_weight, expected_weight):
+    """With pi / pi_sampler the same w on every token the corrected gradient is w times the
+    plain one, so plain SGD moves every parameter w times as far."""
+    batch, _ = rollout_batch(params)
+    policy = logprobs_under(params, batch)  # [B, N]
+    if correction == "token":
+        sampler = policy - log_weight
+    else:  # the whole log-ratio on each row's first token
+        sampler = policy - np.where(np.arange(NEW_TOKENS) == 0, log_weight, 0.0)
+    sgd = optax.sgd(1.0)
+    plain, plain_metrics = step(params, batch, optimizer=sgd)
+    corrected, metrics = step(
+        params, with_sampler(batch, sampler), optimizer=sgd, sampler_correction=correction
+    )
+    np.testing.assert_allclose(metrics["sampler_weight_mean"][0, 0], expected_weight, rtol=1e-4)
+    capped = 1.0 if expected_weight == 2.0 else 0.0
+    np.testing.assert_allclose(metrics["sampler_capped_frac"][0, 0], capped)
+    np.testing.assert_allclose(
+        metrics["grad_norm"], expected_weight * plain_metrics["grad_norm"], rtol=1e-4
+    )
+    moved = zip(
+        jax.tree.leaves(params),
+        jax.tree.leaves(plain.params),
+        jax.tree.leaves(corrected.params),
+        strict=True,
+    )
+    for start, a, b in moved:
+        np.testing.assert_allclose(b - start, expected_weight * (a - start), atol=1e-6)
+
+
 def test_bad_update_config(params):
     with pytest.raises(ValueError, match="num_minibatches must be an int >= 1"):
         UpdateConfig(num_minibatches=0)
@@ -236,6 +290,10 @@ def test_bad_update_config(params):
         UpdateConfig(temperature=0.0)
     with pytest.raises(ValueError, match="matmul_dtype must be 'float32' or 'bfloat16'"):
         UpdateConfig(matmul_dtype="float16")
+    with pytest.raises(ValueError, match="sampler_correction must be 'none', 'token' or"):
+        UpdateConfig(sampler_correction="tis")
+    with pytest.raises(ValueError, match="sampler_correction_cap must be >= 1"):
+        UpdateConfig(sampler_correction_cap=0.5)
     with pytest.raises(ValueError, match="schedule must be one of 'constant', 'cosine'"):
         make_optimizer(1e-3, total_steps=1, schedule="linear")
     batch, _ = rollout_batch(params)
@@ -243,3 +301,5 @@ def test_bad_update_config(params):
         ValueError, match=r"batch of 8 sequences must divide into num_minibatches=3"
     ):
         step(params, batch, num_minibatches=3)
+    with pytest.raises(ValueError, match=r"sampler_correction='token' needs batch.sampler_logp"):
+        step(params, batch, sampler_correction="token")
