@@ -46,8 +46,11 @@ def jgrpo_config(
     matmul: str = "float32",
     overrides: tuple[str, ...] = (),
 ):
-    """The workload as a jgrpo Config; `overrides` (`key=value`) are applied last."""
+    """The workload as a jgrpo Config; `overrides` (`key=value`) are applied last. bf16
+    sampling weights come with the sampler correction, as a user would run them."""
     from jgrpo.config import load_config
+
+    correction = "none" if sampling_weights == "float32" else "token"
 
     return load_config(
         None,
@@ -67,6 +70,7 @@ def jgrpo_config(
             "task.reward_workers=0",  # a cheap verifier: in-process
             "mesh.devices=1",
             f"rollout.weights_dtype={sampling_weights}",
+            f"algorithm.sampler_correction={correction}",
             f"model.matmul_dtype={matmul}",
             *overrides,
         ],
@@ -137,7 +141,7 @@ def run_jgrpo(
     if matmul != "float32":
         label = f"jgrpo, {matmul} matmuls (sampling and update)"
     elif sampling_weights != "float32":
-        label = f"jgrpo, {sampling_weights} sampling weights"
+        label = f"jgrpo, {sampling_weights} sampling weights, corrected"
     return workload.result_line(
         label,
         [
@@ -232,13 +236,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--bf16-sampling",
         action="store_true",
-        help="also run jgrpo with rollout.weights_dtype=bfloat16 (a row of its own)",
+        help="also run jgrpo with rollout.weights_dtype=bfloat16 and "
+        "algorithm.sampler_correction=token (a row of its own)",
     )
     parser.add_argument(
         "--bf16-matmuls",
         action="store_true",
         help="also run jgrpo with bf16 products in sampling and update (rollout.weights_dtype "
-        "and model.matmul_dtype=bfloat16: mixed precision, f32 parameters), and TRL with its "
+        "and model.matmul_dtype=bfloat16: mixed precision, f32 parameters; the sampler "
+        "correction on), and TRL with its "
         "bf16 mixed precision when --trl-python is given (rows of their own)",
     )
     parser.add_argument("--sampling-weights", default="float32", help=argparse.SUPPRESS)
