@@ -283,6 +283,19 @@ def test_sampler_correction_scales_the_gradient(params, correction, log_weight, 
         np.testing.assert_allclose(b - start, expected_weight * (a - start), atol=1e-6)
 
 
+def test_sampler_weights_use_the_old_logprobs_in_every_pass(params):
+    """With mu = 2 the weights compare the sampler with the policy before the update (the
+    old log-probs), not with the policy as it moves: 1.5 in both passes."""
+    batch, _ = rollout_batch(params)
+    sampler = logprobs_under(params, batch) - np.log(1.5)
+    _, metrics = step(
+        params, with_sampler(batch, sampler), num_iterations=2, sampler_correction="token"
+    )
+    np.testing.assert_allclose(metrics["sampler_weight_mean"], [[1.5], [1.5]], rtol=1e-4)
+    np.testing.assert_allclose(metrics["sampler_gap"], [[np.log(1.5)]] * 2, rtol=1e-4)
+    assert abs(float(metrics["ratio_mean"][1, 0]) - 1.0) > 1e-4  # the policy did move
+
+
 def test_bad_update_config(params):
     with pytest.raises(ValueError, match="num_minibatches must be an int >= 1"):
         UpdateConfig(num_minibatches=0)
