@@ -5,8 +5,10 @@ import subprocess
 import sys
 
 from jgrpo.huge_pages import (
+    KEEP_MEMORY,
     huge_page_environment,
     local_huge_page_environment,
+    runs_on_host_only,
     transparent_huge_page_mode,
 )
 
@@ -33,6 +35,34 @@ def test_the_tunable_is_added_only_where_it_helps():
         assert huge_page_environment({"GLIBC_TUNABLES": chosen}, **LINUX) is None
 
 
+def test_on_the_host_alone_freed_memory_is_kept_too():
+    keep = ":".join(KEEP_MEMORY)
+    host = huge_page_environment({}, **LINUX, host_only=True)
+    assert host == {"GLIBC_TUNABLES": f"glibc.malloc.hugetlb=1:{keep}"}
+    assert "mmap_max" in keep and "trim_threshold" in keep and "arena_max=1" in keep
+    # A tunable the user set stays as set; the others are added.
+    mine = huge_page_environment(
+        {"GLIBC_TUNABLES": "glibc.malloc.arena_max=4"}, **LINUX, host_only=True
+    )
+    assert mine["GLIBC_TUNABLES"] == (
+        "glibc.malloc.arena_max=4:glibc.malloc.hugetlb=1:glibc.malloc.mmap_max=0:"
+        "glibc.malloc.trim_threshold=17179869184"
+    )
+    assert huge_page_environment({}, **{**LINUX, "thp_mode": "never"}, host_only=True) is None
+
+
+def test_host_only_means_no_accelerator_platform_and_no_accelerator_device(tmp_path):
+    nothing = (str(tmp_path / "nvidia[0-9]*"),)
+    (tmp_path / "accel0").touch()
+    a_tpu = (str(tmp_path / "accel[0-9]*"),)
+    assert runs_on_host_only({}, nothing)
+    assert not runs_on_host_only({}, a_tpu)
+    assert runs_on_host_only({"JAX_PLATFORMS": "cpu"}, a_tpu)  # the user's choice wins
+    assert not runs_on_host_only({"JAX_PLATFORMS": "cuda"}, nothing)
+    assert not runs_on_host_only({"JAX_PLATFORMS": "cpu,tpu"}, nothing)
+    assert runs_on_host_only({"JAX_PLATFORMS": ""}, nothing)
+
+
 def test_the_kernel_mode_is_the_bracketed_word(tmp_path):
     setting = tmp_path / "enabled"
     setting.write_text("always [madvise] never\n")
@@ -42,43 +72,53 @@ def test_the_kernel_mode_is_the_bracketed_word(tmp_path):
     assert transparent_huge_page_mode(str(tmp_path / "missing")) is None
 
 
-# Re-executes itself when the tunable helps, then fills 64 MiB of fresh malloc'd memory and
-# prints the tunables it runs with and the minor page faults that filling it took.
+# Re-executes itself when the tunables help, then twice fills 64 MiB of fresh malloc'd memory
+# and frees it; prints the tunables it runs with and the minor page faults of each fill.
 _CHILD = """
 import resource
 from jgrpo.huge_pages import reexec_with_huge_pages
 reexec_with_huge_pages()
 import os
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-block = bytearray(64 << 20)  # one fresh malloc'd mapping, zeroed
-block[::4096] = b"x" * (len(block) // 4096)
-faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-print(repr(os.environ.get("GLIBC_TUNABLES", "")), faults)
+def fill():
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    block = bytearray(64 << 20)  # malloc'd, zeroed
+    block[::4096] = b"x" * (len(block) // 4096)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+first = fill()
+print(repr(os.environ.get("GLIBC_TUNABLES", "")), first, fill())
 """
 
 
 def _run_child(environ):
-    """(GLIBC_TUNABLES as the child ran with it, repr'd; the page faults of filling 64 MiB)."""
+    """(GLIBC_TUNABLES as the child ran with it, repr'd; the page faults of each fill)."""
     done = subprocess.run(
         [sys.executable, "-c", _CHILD], env=environ, capture_output=True, text=True, check=True
     )
     lines = done.stdout.split("\n")[:-1]
     assert len(lines) == 1, done.stdout  # one run printed: no second re-execution
-    tunables, faults = lines[0].rsplit(" ", 1)
-    return tunables, int(faults)
+    tunables, first, second = lines[0].rsplit(" ", 2)
+    return tunables, int(first), int(second)
 
 
-def test_the_process_runs_again_with_the_tunable_and_takes_fewer_page_faults():
-    environ = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
-    tunables, faults = _run_child(environ)
+def test_the_process_runs_again_with_the_tunables_and_takes_fewer_page_faults():
+    environ = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "JAX_PLATFORMS")}
+    tunables, first, second = _run_child(environ)
     if local_huge_page_environment(environ) is None:  # no choice here: it runs as it is
         assert tunables == "''"
         return
-    assert tunables == repr("glibc.malloc.hugetlb=1")
     # 16384 pages of 4 KiB, or 31-32 of 2 MiB plus at most 513 of 4 KiB where the mapping's
     # ends are not 2 MiB-aligned (and a few for the interpreter's own writes).
-    assert faults < 1000, faults
+    assert first < 1000 and second < 1000, (first, second)
+    if runs_on_host_only(environ):  # the second fill reuses the memory the first freed
+        assert tunables == repr(":".join(["glibc.malloc.hugetlb=1", *KEEP_MEMORY]))
+        assert second < 16, second
+    else:
+        assert tunables == repr("glibc.malloc.hugetlb=1")
+    # On an accelerator's host: 2 MiB pages, freed memory goes back to the kernel.
+    tunables, first, second = _run_child({**environ, "JAX_PLATFORMS": "cuda"})
+    assert tunables == repr("glibc.malloc.hugetlb=1")
+    assert first < 1000 and second > 16, (first, second)
     # Declined by the user: no re-execution, one fault per 4 KiB page.
-    tunables, faults = _run_child({**environ, "GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"})
+    tunables, first, second = _run_child({**environ, "GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"})
     assert tunables == repr("glibc.malloc.hugetlb=0")
-    assert faults >= 16384, faults
+    assert first >= 16384 and second >= 16384, (first, second)
