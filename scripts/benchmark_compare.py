@@ -1,7 +1,7 @@
 """One GRPO step of a fixed workload, timed for jgrpo and its peers side by side.
 
     python scripts/benchmark.py compare [--model smollm2-135m|tiny] [--steps 3]
-        [--trl-python PATH] [--tunix-python PATH] [--workdir DIR]
+        [--trl-python PATH] [--tunix-python PATH] [--workdir DIR] [--peer-environment own]
 
 The workload (`compare_workload.py`): 4 chat prompts of 39 tokens, G = 8, exactly 64 new
 tokens, temperature 1, beta 0.04, one optimizer step (mu = 1), AdamW, f32, on random weights
@@ -12,7 +12,9 @@ docs/benchmarks.md says how to make them) when the flags name one. Each prints a
 JSON line: the first step (compilation / warm-up) apart, then per-step seconds of the whole
 step, sampling, the reference pass and the update; the table shows medians and each peer's
 time over jgrpo's. Every library's process gets the environment that `python -m jgrpo.train`
-gives itself (glibc's huge-page tunable where it helps: `jgrpo.huge_pages`), so all run alike.
+gives itself (glibc's tunables where they help: `jgrpo.huge_pages`), so all run alike; with
+`--peer-environment own` the peers run in this shell's environment as it is, as their users
+would run them.
 
 jgrpo's step is `jgrpo.train.Trainer.step`, the training loop's own step. Its reference pass
 runs inside the update program, so its column is that pass compiled on its own and timed on
@@ -176,7 +178,9 @@ def _median_time(run, repeats: int) -> float:
     return statistics.median(times)
 
 
-def run_library(name: str, python: str, checkpoint: Path, steps: int) -> dict | None:
+def run_library(
+    name: str, python: str, checkpoint: Path, steps: int, environment: dict[str, str]
+) -> dict | None:
     """Runs one library's step script in a fresh process and parses its RESULT line."""
     if name.startswith("jgrpo"):  # "jgrpo[:sampling weights dtype[:update matmul dtype]]"
         weights, matmul = (name.split(":")[1:] + ["float32", "float32"])[:2]
@@ -188,7 +192,7 @@ def run_library(name: str, python: str, checkpoint: Path, steps: int) -> dict | 
         command += ["--bf16"] if mode == "bf16" else []
     command += ["--checkpoint", str(checkpoint), "--steps", str(steps)]
     print(f"running {name}: {' '.join(command)}", file=sys.stderr, flush=True)
-    done = subprocess.run(command, capture_output=True, text=True, env=child_environment())
+    done = subprocess.run(command, capture_output=True, text=True, env=environment)
     results = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode != 0 or not results:
         print(f"{name} failed (exit {done.returncode}):\n{done.stderr[-3000:]}", file=sys.stderr)
@@ -247,6 +251,13 @@ def main(argv: list[str] | None = None) -> int:
         "correction on), and TRL with its "
         "bf16 mixed precision when --trl-python is given (rows of their own)",
     )
+    parser.add_argument(
+        "--peer-environment",
+        choices=("cli", "own"),
+        default="cli",
+        help="cli (default): the peers run with the environment jgrpo's CLI gives itself "
+        "(glibc tunables), as jgrpo does; own: with this shell's environment as it is",
+    )
     parser.add_argument("--sampling-weights", default="float32", help=argparse.SUPPRESS)
     parser.add_argument("--matmul-dtype", default="float32", help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
@@ -274,7 +285,14 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if args.bf16_matmuls and args.trl_python:
         libraries.append(("trl:bf16", args.trl_python))
-    results = [run_library(name, python, checkpoint, args.steps) for name, python in libraries]
+    ours = child_environment()
+    theirs = ours if args.peer_environment == "cli" else dict(os.environ)
+    results = [
+        run_library(
+            name, python, checkpoint, args.steps, ours if name.startswith("jgrpo") else theirs
+        )
+        for name, python in libraries
+    ]
     if results[0] is None:
         return 1
     results = [r for r in results if r is not None]
@@ -284,8 +302,14 @@ def main(argv: list[str] | None = None) -> int:
         f"f32 parameters; medians of {args.steps} steps after the first\n"
     )
     print(table(results))
-    tunables = child_environment().get("GLIBC_TUNABLES")
-    if tunables:
+    tunables = ours.get("GLIBC_TUNABLES")
+    peers = any(not name.startswith("jgrpo") for name, _ in libraries)
+    if args.peer_environment == "own" and peers:
+        print(
+            f"\njgrpo ran with GLIBC_TUNABLES={tunables or '(unset)'}, as its CLI runs itself; "
+            f"the peers with GLIBC_TUNABLES={theirs.get('GLIBC_TUNABLES') or '(unset)'}."
+        )
+    elif tunables:
         print(f"\nEvery library ran with GLIBC_TUNABLES={tunables}, as jgrpo's CLI runs itself.")
     for result in results:
         if "update_flops" in result:
