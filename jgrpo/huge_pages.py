@@ -13,7 +13,8 @@ host, about 1,750 faults and 3.5 s of system time a step at that benchmark). Whe
 on the host alone (no accelerator device), glibc is also told to keep freed memory for reuse
 (`KEEP_MEMORY`: every buffer from the one main heap, never returned to the kernel), so from
 the second step on the program's buffers are memory the process already holds: no faults,
-and there the update 1.0-1.8 s faster, the rollout 0.2-0.4 s slower (docs/benchmarks.md).
+and there the update 1.0-1.8 s faster, the rollout 0.2-0.4 s slower and the tiny model's
+warm-up 3-6 s longer (docs/benchmarks.md).
 The process then holds its peak memory for its life, which a training step needs again every
 step anyway; with an accelerator the host buffers are transfers and checkpoints, whose peak
 is better given back.
