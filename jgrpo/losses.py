@@ -91,8 +91,7 @@ def sampler_weights(
     )  # [B, T]
     if level == "sequence":
         log_weight = jnp.broadcast_to(log_weight.sum(axis=-1, keepdims=True), log_weight.shape)
-    log_cap = jnp.log(jnp.float32(cap))
-    weight = jnp.where(log_weight < log_cap, jnp.exp(jnp.minimum(log_weight, log_cap)), cap)
+    weight = jnp.minimum(jnp.exp(log_weight), cap)  # exp's overflow to inf is capped too
     return jax.lax.stop_gradient(jnp.where(on, weight, 0.0))
 
 

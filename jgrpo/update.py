@@ -401,7 +401,7 @@ def _sampler_terms(
         level=cfg.sampler_correction,
         cap=cfg.sampler_correction_cap,
     )  # [B, N]
-    capped = on & (weights >= cfg.sampler_correction_cap)
+    capped = weights >= cfg.sampler_correction_cap  # 0 off the mask, and the cap is >= 1
     metrics["sampler_weight_mean"] = weights.sum() / tokens
     metrics["sampler_capped_frac"] = capped.sum() / tokens
     return weights, jax.lax.stop_gradient(metrics)
