@@ -11,10 +11,13 @@ In `always` mode the kernel does it already; in `never` mode nothing helps.
 Even in 2 MiB pages the fresh mappings cost kernel time on every step (on the 2-core Zen 4
 host, about 1,750 faults and 3.5 s of system time a step at that benchmark). Where XLA runs
 on the host alone (no accelerator device), glibc is also told to keep freed memory for reuse
-(`KEEP_MEMORY`: every buffer from the one main heap, never returned to the kernel), so from
-the second step on the program's buffers are memory the process already holds: no faults,
-and there the update 1.0-1.8 s faster, the rollout 0.2-0.4 s slower and the tiny model's
-warm-up 3-6 s longer (docs/benchmarks.md).
+(`KEEP_MEMORY`: large buffers from the heap instead of their own mappings, a heap never
+trimmed), and JAX runs each single-device program on the thread that calls it
+(`run_programs_on_calling_thread`): glibc gives other threads arenas of at most 64 MiB heaps
+and still maps anything larger afresh, so XLA's big buffers must come from the main thread.
+From the second step on they are memory the process already holds: no faults, and at that
+benchmark the update took 14.0 s against 16.6 s with 2 MiB pages alone, the rollout 4.5 s
+against 4.9 s (docs/benchmarks.md).
 The process then holds its peak memory for its life, which a training step needs again every
 step anyway; with an accelerator the host buffers are transfers and checkpoints, whose peak
 is better given back.
@@ -22,7 +25,8 @@ is better given back.
 glibc reads tunables only when a process starts, so the CLI re-executes itself once with the
 tunables added to `GLIBC_TUNABLES`. Setting `glibc.malloc.hugetlb` yourself (for instance to 0)
 keeps it from doing so; the same variable set before Python starts does the same for notebooks
-and library use.
+and library use, where `run_programs_on_calling_thread()` before the first JAX computation
+does the rest.
 """
 
 from __future__ import annotations
@@ -33,12 +37,12 @@ import sys
 from collections.abc import Mapping
 
 TUNABLE = "glibc.malloc.hugetlb"
-# Freed memory stays in the process: no mmap'd chunks (they are unmapped when freed), no
-# trimming of the heap, one arena (other threads' arenas are mmap'd heaps that shrink).
+# Freed memory stays in the process: no mmap'd chunks (they are unmapped when freed) and no
+# trimming of the heap. Threads other than the main one keep their own arenas (one arena
+# for all made compiling and sampling wait on its lock).
 KEEP_MEMORY = (
     "glibc.malloc.mmap_max=0",
     "glibc.malloc.trim_threshold=17179869184",  # 16 GiB
-    "glibc.malloc.arena_max=1",
 )
 _THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
 # Device files of accelerators XLA may run on: NVIDIA and AMD GPUs, TPUs.
@@ -115,10 +119,31 @@ def local_huge_page_environment(environ: Mapping[str, str]) -> dict[str, str] | 
     )
 
 
+def keeps_memory(environ: Mapping[str, str]) -> bool:
+    """Whether glibc was told to keep freed memory (`KEEP_MEMORY`'s `mmap_max=0`) and XLA runs
+    on the host alone: then its programs should run on the main thread."""
+    tunables = environ.get("GLIBC_TUNABLES", "").split(":")
+    return "glibc.malloc.mmap_max=0" in tunables and runs_on_host_only(environ)
+
+
+def run_programs_on_calling_thread() -> None:
+    """Makes JAX's CPU client run each single-device program on the thread that calls it
+    rather than on a worker thread, so XLA's buffers come from that thread's arena: the main
+    heap for the main thread. Must run before JAX starts its CPU backend; a program spread
+    over several devices still runs on workers."""
+    import jax
+
+    jax.config.update("jax_cpu_enable_async_dispatch", False)
+
+
 def reexec_with_huge_pages() -> None:
-    """Replaces this process by the same command with the tunables set, when they help."""
+    """Replaces this process by the same command with the tunables set, when they help; in
+    the process that runs with them, runs XLA's programs on the calling thread where freed
+    memory is kept."""
     environ = local_huge_page_environment(os.environ)
     if environ is None:
+        if keeps_memory(os.environ):
+            run_programs_on_calling_thread()
         return
     sys.stdout.flush()
     sys.stderr.flush()

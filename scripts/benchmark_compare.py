@@ -14,7 +14,9 @@ step, sampling, the reference pass and the update; the table shows medians and e
 time over jgrpo's. Every library's process gets the environment that `python -m jgrpo.train`
 gives itself (glibc's tunables where they help: `jgrpo.huge_pages`), so all run alike; with
 `--peer-environment own` the peers run in this shell's environment as it is, as their users
-would run them.
+would run them. jgrpo's process also runs XLA's programs on its main thread where those
+tunables keep freed memory, as the CLI does: a JAX setting in jgrpo's process, which the
+peers' processes do not get.
 
 jgrpo's step is `jgrpo.train.Trainer.step`, the training loop's own step. Its reference pass
 runs inside the update program, so its column is that pass compiled on its own and timed on
@@ -102,9 +104,12 @@ def run_jgrpo(
     import jax.numpy as jnp
     from benchmark import forward_flops, matmul_peak_flops
 
+    from jgrpo.huge_pages import keeps_memory, run_programs_on_calling_thread
     from jgrpo.train import Trainer
     from models.transformer import forward
 
+    if keeps_memory(os.environ):  # as `python -m jgrpo.train` does
+        run_programs_on_calling_thread()
     trainer = Trainer(jgrpo_config(checkpoint, steps + 1, sampling_weights, matmul), jgrpo_task())
     # Exactly NEW_TOKENS per completion: no stop tokens (benchmark only).
     trainer.sampling = dataclasses.replace(trainer.sampling, stop_token_ids=())

@@ -7,6 +7,7 @@ import sys
 from jgrpo.huge_pages import (
     KEEP_MEMORY,
     huge_page_environment,
+    keeps_memory,
     local_huge_page_environment,
     runs_on_host_only,
     transparent_huge_page_mode,
@@ -39,7 +40,7 @@ def test_on_the_host_alone_freed_memory_is_kept_too():
     keep = ":".join(KEEP_MEMORY)
     host = huge_page_environment({}, **LINUX, host_only=True)
     assert host == {"GLIBC_TUNABLES": f"glibc.malloc.hugetlb=1:{keep}"}
-    assert "mmap_max" in keep and "trim_threshold" in keep and "arena_max=1" in keep
+    assert "mmap_max=0" in keep and "trim_threshold" in keep and "arena_max" not in keep
     # A tunable the user set stays as set; the others are added.
     mine = huge_page_environment(
         {"GLIBC_TUNABLES": "glibc.malloc.arena_max=4"}, **LINUX, host_only=True
@@ -61,6 +62,18 @@ def test_host_only_means_no_accelerator_platform_and_no_accelerator_device(tmp_p
     assert not runs_on_host_only({"JAX_PLATFORMS": "cuda"}, nothing)
     assert not runs_on_host_only({"JAX_PLATFORMS": "cpu,tpu"}, nothing)
     assert runs_on_host_only({"JAX_PLATFORMS": ""}, nothing)
+
+
+def test_programs_run_on_the_calling_thread_only_where_memory_is_kept(tmp_path):
+    kept = {"GLIBC_TUNABLES": ":".join(["glibc.malloc.hugetlb=1", *KEEP_MEMORY])}
+    on_cpu = {**kept, "JAX_PLATFORMS": "cpu"}
+    assert keeps_memory(on_cpu)
+    assert not keeps_memory({**kept, "JAX_PLATFORMS": "cuda"})  # an accelerator's host
+    assert not keeps_memory({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1", "JAX_PLATFORMS": "cpu"})
+    assert not keeps_memory({"JAX_PLATFORMS": "cpu"})
+    # mmap_max=0 set by the user counts too; another value does not.
+    assert keeps_memory({"GLIBC_TUNABLES": "glibc.malloc.mmap_max=0", "JAX_PLATFORMS": "cpu"})
+    assert not keeps_memory({"GLIBC_TUNABLES": "glibc.malloc.mmap_max=10", "JAX_PLATFORMS": "cpu"})
 
 
 def test_the_kernel_mode_is_the_bracketed_word(tmp_path):
@@ -122,3 +135,57 @@ def test_the_process_runs_again_with_the_tunables_and_takes_fewer_page_faults():
     tunables, first, second = _run_child({**environ, "GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"})
     assert tunables == repr("glibc.malloc.hugetlb=0")
     assert first >= 16384 and second >= 16384, (first, second)
+
+
+# Starts as the CLI does (with the argument "cli"); then runs a program with a 128 MiB buffer
+# of XLA's own (and a 128 MiB result) six times; prints whether JAX dispatches asynchronously
+# and the minor page faults of the last three calls together.
+_JAX_CHILD = """
+import resource
+import sys
+from jgrpo.huge_pages import reexec_with_huge_pages
+if sys.argv[1:] == ["cli"]:
+    reexec_with_huge_pages()
+import jax
+import jax.numpy as jnp
+
+@jax.jit
+def twice_summed(x):
+    summed = jnp.cumsum(x)  # [N]: no fusion into the product
+    return summed * jnp.flip(summed)
+
+x = jnp.ones(1 << 25, jnp.float32)
+faults = []
+for _ in range(6):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    twice_summed(x).block_until_ready()
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(jax.config.values["jax_cpu_enable_async_dispatch"], sum(faults[3:]))
+"""
+
+
+def test_on_the_host_alone_xla_reuses_its_buffers_without_page_faults():
+    environ = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "JAX_PLATFORMS")}
+    environ["JAX_PLATFORMS"] = "cpu"
+    environ["XLA_FLAGS"] = ""  # the suite's unoptimised code would take 5x as long; one device
+
+    def run(environ, start="cli"):
+        done = subprocess.run(
+            [sys.executable, "-c", _JAX_CHILD, start],
+            env=environ,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        asynchronous, faults = done.stdout.split()
+        return asynchronous == "True", int(faults)
+
+    if local_huge_page_environment(environ) is None:  # no tunables here: nothing is kept
+        assert run(environ)[0]
+        return
+    asynchronous, faults = run(environ)
+    assert not asynchronous and faults < 16, faults  # one 2 MiB page is 1 fault
+    # The same tunables, but programs on XLA's worker thread: its buffers are mapped afresh.
+    kept = ":".join(["glibc.malloc.hugetlb=1", *KEEP_MEMORY])
+    asynchronous, faults = run({**environ, "GLIBC_TUNABLES": kept}, start="plain")
+    assert asynchronous and faults > 3 * 64, faults  # 128 MiB a call in 2 MiB pages, at least
