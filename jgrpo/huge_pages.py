@@ -1,4 +1,4 @@
-"""Transparent huge pages for XLA's host buffers: a start-up step of `python -m jgrpo.train`.
+"""Huge pages and kept memory for XLA's host buffers: a start-up step of `python -m jgrpo.train`.
 
 On CPU, XLA takes each program's temporary buffers from malloc, and buffers this large are
 fresh memory mappings, so every call of the update touches its scratch memory anew, in 4 KiB
@@ -6,21 +6,20 @@ pages: about 1.6 million page faults and 4 s of system time per update at the Sm
 benchmark shapes (docs/benchmarks.md). glibc 2.35 and later can ask the kernel for 2 MiB pages
 on those mappings (the `glibc.malloc.hugetlb=1` tunable); where the kernel's transparent huge
 pages are in `madvise` mode, which is the common default, that cuts the faults about 300-fold.
-In `always` mode the kernel does it already; in `never` mode nothing helps.
+In `always` mode the kernel does it already; in `never` mode only keeping memory (below) helps.
 
 Even in 2 MiB pages the fresh mappings cost kernel time on every step (on the 2-core Zen 4
-host, about 1,750 faults and 3.5 s of system time a step at that benchmark). Where XLA runs
-on the host alone (no accelerator device), glibc is also told to keep freed memory for reuse
-(`KEEP_MEMORY`: large buffers from the heap instead of their own mappings, a heap never
-trimmed), and JAX runs each single-device program on the thread that calls it
-(`run_programs_on_calling_thread`): glibc gives other threads arenas of at most 64 MiB heaps
-and still maps anything larger afresh, so XLA's big buffers must come from the main thread.
-From the second step on they are memory the process already holds: no faults, and at that
-benchmark the update took 14.0 s against 16.6 s with 2 MiB pages alone, the rollout 4.5 s
-against 4.9 s (docs/benchmarks.md).
-The process then holds its peak memory for its life, which a training step needs again every
-step anyway; with an accelerator the host buffers are transfers and checkpoints, whose peak
-is better given back.
+host, about 1,750 faults and 3.5 s of system time a step at that benchmark). Where XLA runs on
+the host alone (no accelerator device), whatever the kernel's mode and from glibc 2.26 on,
+glibc is also told to keep freed memory for reuse (`KEEP_MEMORY`: large buffers from the heap
+instead of their own mappings, a heap never trimmed), and JAX runs each single-device program
+on the thread that calls it (`run_programs_on_calling_thread`): glibc gives other threads
+arenas of at most 64 MiB heaps and still maps anything larger afresh, so XLA's big buffers must
+come from the main thread. From the second step on they are memory the process already holds:
+no faults, and at that benchmark the update took 14.0 s against 16.6 s with 2 MiB pages alone,
+the rollout 4.5 s against 4.9 s (docs/benchmarks.md). The process then holds its peak memory
+for its life, which a training step needs again every step anyway; with an accelerator the host
+buffers are transfers and checkpoints, whose peak is better given back.
 
 glibc reads tunables only when a process starts, so the CLI re-executes itself once with the
 tunables added to `GLIBC_TUNABLES`. Setting `glibc.malloc.hugetlb` yourself (for instance to 0)
@@ -61,9 +60,12 @@ def huge_page_environment(
 
     `libc` is `os.confstr("CS_GNU_LIBC_VERSION")` ("glibc 2.36"); `thp_mode` the kernel's
     selected transparent huge page mode ("always", "madvise", "never", None if unknown);
-    `host_only` adds `KEEP_MEMORY`, each tunable the user has not set.
+    `host_only` adds `KEEP_MEMORY`, each tunable the user has not set, whatever the mode.
+    `glibc.malloc.hugetlb` is 1 where it helps (madvise mode, glibc 2.35 or later) and 0,
+    glibc's default, where only the memory is kept: set either way, it marks the process as
+    re-executed, and set by the user it keeps every tunable out.
     """
-    if platform != "linux" or thp_mode != "madvise":
+    if platform != "linux":
         return None
     name, _, version = libc.partition(" ")
     if name != "glibc":
@@ -72,14 +74,16 @@ def huge_page_environment(
         major, minor = (int(part) for part in version.split(".")[:2])
     except ValueError:
         return None
-    if (major, minor) < (2, 35):
+    huge_pages = thp_mode == "madvise" and (major, minor) >= (2, 35)
+    keep_memory = host_only and (major, minor) >= (2, 26)  # glibc's first tunables
+    if not (huge_pages or keep_memory):
         return None
     tunables = environ.get("GLIBC_TUNABLES", "")
     chosen = {entry.split("=")[0] for entry in tunables.split(":")}
     if TUNABLE in chosen:
         return None  # the user chose
-    added = [f"{TUNABLE}=1"]
-    if host_only:
+    added = [f"{TUNABLE}={int(huge_pages)}"]
+    if keep_memory:
         added += [entry for entry in KEEP_MEMORY if entry.split("=")[0] not in chosen]
     return {**environ, "GLIBC_TUNABLES": ":".join(filter(None, [tunables, *added]))}
 
