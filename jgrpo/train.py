@@ -1430,5 +1430,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    reexec_with_huge_pages()  # on Linux CPUs: 2 MiB pages for XLA's buffers (returns if not)
+    reexec_with_huge_pages()  # on Linux CPUs: 2 MiB pages, kept memory (returns if not)
     sys.exit(main())

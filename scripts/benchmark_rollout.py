@@ -8,8 +8,9 @@ One run, same weights, same shapes, printed side by side:
    (prefill dominates it), whose ratio shows that the prompt is prefilled once per prompt.
 
 Compilation is excluded (one warm-up call first, whose time is reported separately). The
-script runs in the environment `python -m jgrpo.train` gives itself (glibc's huge-page
-tunable where it helps, `jgrpo.huge_pages`), so both samplers run as under the CLI.
+script runs in the environment `python -m jgrpo.train` gives itself (glibc's tunables where
+they help, `jgrpo.huge_pages`), so both samplers run as under the CLI; jgrpo's programs also
+run on the main thread where those tunables keep freed memory, as the CLI's do.
 `--bf16-weights` adds a jgrpo row sampling with `rollout.weights_dtype=bfloat16` (bf16 weight
 matrices, f32 sums; docs/training.md says what that rounds).
 
