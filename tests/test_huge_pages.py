@@ -153,8 +153,8 @@ def test_the_process_runs_again_with_the_tunables_and_takes_fewer_page_faults():
 
 
 # Starts as the CLI does (with the argument "cli"); then runs a program with a 128 MiB buffer
-# of XLA's own (and a 128 MiB result) six times; prints whether JAX dispatches asynchronously
-# and the minor page faults of the last three calls together.
+# of XLA's own (and a 128 MiB result) twelve times; prints whether JAX dispatches
+# asynchronously and the minor page faults of each of the last nine calls.
 _JAX_CHILD = """
 import resource
 import sys
@@ -171,11 +171,11 @@ def twice_summed(x):
 
 x = jnp.ones(1 << 25, jnp.float32)
 faults = []
-for _ in range(6):
+for _ in range(12):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     twice_summed(x).block_until_ready()
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-print(jax.config.values["jax_cpu_enable_async_dispatch"], sum(faults[3:]))
+print(jax.config.values["jax_cpu_enable_async_dispatch"], *faults[3:])
 """
 
 
@@ -192,15 +192,18 @@ def test_on_the_host_alone_xla_reuses_its_buffers_without_page_faults():
             text=True,
             check=True,
         )
-        asynchronous, faults = done.stdout.split()
-        return asynchronous == "True", int(faults)
+        asynchronous, *faults = done.stdout.split()
+        return asynchronous == "True", sorted(int(count) for count in faults)
 
     if local_huge_page_environment(environ) is None:  # no tunables here: nothing is kept
         assert run(environ)[0]
         return
+    # Most calls reuse freed memory whole (a fault per page touched anew); the heap still
+    # grows now and then while a freed buffer is not yet back (one 128 MiB buffer: 64 faults).
     asynchronous, faults = run(environ)
-    assert not asynchronous and faults < 16, faults  # a fault per page touched anew
-    # The same tunables, but programs on XLA's worker thread: its buffers are mapped afresh.
+    assert not asynchronous and faults[4] < 16, faults  # the median of nine calls
+    # The same tunables, but programs on XLA's worker thread: its buffers are mapped afresh
+    # on every call, 64 faults or more each in 2 MiB pages.
     kept = ":".join(["glibc.malloc.hugetlb=1", *KEEP_MEMORY])
     asynchronous, faults = run({**environ, "GLIBC_TUNABLES": kept}, start="plain")
-    assert asynchronous and faults > 3 * 64, faults  # 128 MiB a call in 2 MiB pages, at least
+    assert asynchronous and faults[0] > 64, faults
