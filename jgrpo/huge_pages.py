@@ -36,11 +36,12 @@ import sys
 from collections.abc import Mapping
 
 TUNABLE = "glibc.malloc.hugetlb"
+_NO_MAPPED_CHUNKS = "glibc.malloc.mmap_max=0"
 # Freed memory stays in the process: no mmap'd chunks (they are unmapped when freed) and no
 # trimming of the heap. Threads other than the main one keep their own arenas (one arena
 # for all made compiling and sampling wait on its lock).
 KEEP_MEMORY = (
-    "glibc.malloc.mmap_max=0",
+    _NO_MAPPED_CHUNKS,
     "glibc.malloc.trim_threshold=17179869184",  # 16 GiB
 )
 _THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
@@ -127,7 +128,7 @@ def keeps_memory(environ: Mapping[str, str]) -> bool:
     """Whether glibc was told to keep freed memory (`KEEP_MEMORY`'s `mmap_max=0`) and XLA runs
     on the host alone: then its programs should run on the main thread."""
     tunables = environ.get("GLIBC_TUNABLES", "").split(":")
-    return "glibc.malloc.mmap_max=0" in tunables and runs_on_host_only(environ)
+    return _NO_MAPPED_CHUNKS in tunables and runs_on_host_only(environ)
 
 
 def run_programs_on_calling_thread() -> None:

@@ -104,12 +104,11 @@ def run_jgrpo(
     import jax.numpy as jnp
     from benchmark import forward_flops, matmul_peak_flops
 
-    from jgrpo.huge_pages import keeps_memory, run_programs_on_calling_thread
+    from jgrpo.huge_pages import reexec_with_huge_pages
     from jgrpo.train import Trainer
     from models.transformer import forward
 
-    if keeps_memory(os.environ):  # as `python -m jgrpo.train` does
-        run_programs_on_calling_thread()
+    reexec_with_huge_pages()  # as `python -m jgrpo.train` starts (returns if not)
     trainer = Trainer(jgrpo_config(checkpoint, steps + 1, sampling_weights, matmul), jgrpo_task())
     # Exactly NEW_TOKENS per completion: no stop tokens (benchmark only).
     trainer.sampling = dataclasses.replace(trainer.sampling, stop_token_ids=())

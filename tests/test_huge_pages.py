@@ -73,7 +73,7 @@ def test_host_only_means_no_accelerator_platform_and_no_accelerator_device(tmp_p
     assert runs_on_host_only({"JAX_PLATFORMS": ""}, nothing)
 
 
-def test_programs_run_on_the_calling_thread_only_where_memory_is_kept(tmp_path):
+def test_programs_run_on_the_calling_thread_only_where_memory_is_kept():
     kept = {"GLIBC_TUNABLES": ":".join(["glibc.malloc.hugetlb=1", *KEEP_MEMORY])}
     on_cpu = {**kept, "JAX_PLATFORMS": "cpu"}
     assert keeps_memory(on_cpu)
