@@ -7,6 +7,7 @@
     python scripts/benchmark.py memory [...]    # = scripts/benchmark_memory.py [...]
     python scripts/benchmark.py compare [...]   # = scripts/benchmark_compare.py [...]
     python scripts/benchmark.py padding [...]   # = scripts/benchmark_padding.py [...]
+    python scripts/benchmark.py products [...]  # = scripts/benchmark_products.py [...]
 
 `step` times full GRPO steps of the trainer (`jgrpo.train.Trainer`, the addition task, a
 randomly initialised preset): rollout, reward and update apart, completion tokens/s, and the
@@ -33,6 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 
 SCRIPTS = Path(__file__).resolve().parent
+# Modes that run their own script, benchmark_MODE.py.
+MODES = ("rollout", "models", "scaling", "memory", "compare", "padding", "products")
 # A randomly initialised preset on the addition task: prompts of up to 8 characters.
 ADDITION_PROMPTS = ("task.max_operand=999", "rollout.max_prompt_length=16")
 
@@ -184,7 +187,7 @@ def benchmark_step(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in ("rollout", "models", "scaling", "memory", "compare", "padding"):
+    if argv and argv[0] in MODES:
         script = SCRIPTS / f"benchmark_{argv[0]}.py"
         sys.argv = [str(script), *argv[1:]]
         sys.path.insert(0, str(SCRIPTS))
