@@ -23,7 +23,13 @@ import yaml
 from jgrpo._checks import check_choice
 from jgrpo.advantages import SCALES, STD_DDOFS
 from jgrpo.distributed import INITIALIZE_CHOICES
-from jgrpo.losses import KL_ESTIMATORS, LOSS_TYPES, RATIO_LEVELS, SAMPLER_CORRECTION_LEVELS
+from jgrpo.losses import (
+    KL_ESTIMATORS,
+    LOSS_TYPES,
+    RATIO_LEVELS,
+    SAMPLER_CORRECTION_LEVELS,
+    SAMPLER_CORRECTION_MODES,
+)
 
 
 class ConfigError(ValueError):
@@ -123,10 +129,19 @@ class AlgorithmSection:
     ratio_level: str = option("token", "importance ratio per token, or per sequence (GSPO)")
     sampler_correction: str = option(
         "none",
-        "weight each token's loss by min(pi / pi_sampler, cap) per token or sequence, for a "
-        "sampler that differs from the policy (rollout.weights_dtype=bfloat16); none = off",
+        "weight each token's loss by pi / pi_sampler per token or sequence, bounded to "
+        "[floor, cap], for a sampler that differs from the policy "
+        "(rollout.weights_dtype=bfloat16); none = off",
     )
     sampler_correction_cap: float = option(2.0, "the sampler correction's largest weight")
+    sampler_correction_mode: str = option(
+        "truncate",
+        "weights outside [floor, cap]: truncate (moved to the bound) or mask (0: the token, or "
+        "with sampler_correction=sequence the completion, leaves the loss)",
+    )
+    sampler_correction_floor: float = option(
+        0.0, "the sampler correction's smallest weight, in [0, 1]; 0 = no lower bound"
+    )
     num_iterations: int = option(1, "mu: update passes over each rollout")
     num_minibatches: int = option(1, "optimizer steps per pass")
     grad_accumulation: int = option(1, "micro-batches per minibatch")
@@ -157,6 +172,7 @@ class AlgorithmSection:
             "kl_estimator": KL_ESTIMATORS,
             "ratio_level": RATIO_LEVELS,
             "sampler_correction": ("none", *SAMPLER_CORRECTION_LEVELS),
+            "sampler_correction_mode": SAMPLER_CORRECTION_MODES,
             "std_ddof": STD_DDOFS,
         }
         for name, accepted in choices.items():
@@ -180,6 +196,12 @@ class AlgorithmSection:
             raise ConfigError(
                 "algorithm.sampler_correction_cap must be >= 1 (the largest weight), got "
                 f"{self.sampler_correction_cap}."
+            )
+        if not 0 <= self.sampler_correction_floor <= 1:
+            raise ConfigError(
+                "algorithm.sampler_correction_floor must be in [0, 1] (0 = no lower bound; "
+                "above 1 it would cut the sampler's own tokens), got "
+                f"{self.sampler_correction_floor}."
             )
         if self.kl_in_reward and self.beta == 0:
             raise ConfigError("algorithm.kl_in_reward needs algorithm.beta > 0 (its weight).")

@@ -15,6 +15,7 @@ LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 RATIO_LEVELS = ("token", "sequence")
 SAMPLER_CORRECTION_LEVELS = ("token", "sequence")
+SAMPLER_CORRECTION_MODES = ("truncate", "mask")
 
 
 def token_kl(
@@ -64,34 +65,47 @@ def sampler_weights(
     *,
     level: str = "token",
     cap: float = 2.0,
+    mode: str = "truncate",
+    floor: float = 0.0,
 ) -> jax.Array:  # f32[B, T], 0 off the mask, no gradient
-    """Truncated importance weights w = min(pi / pi_sampler, cap) for a mismatched sampler.
+    """Importance weights from the ratio r = pi / pi_sampler, bounded to [floor, cap], for a
+    mismatched sampler.
 
     When the completions come from a sampler that is not exactly the policy being trained
     (bf16 weights, another inference engine), the loss's expectations over the policy are
     estimated from the sampler's tokens; weighting each token's loss by w corrects that,
-    and the cap bounds the variance (truncated importance sampling, as TRL's
-    `vllm_importance_sampling_correction` and verl's rollout correction do):
+    and the bounds limit the variance (truncated or masked importance sampling, as TRL's
+    `vllm_importance_sampling_mode` and verl's rollout correction offer):
 
-        level="token":    w_t = min(exp(logprobs_t - sampler_logprobs_t), cap)
-        level="sequence": w_t = min(exp(sum over the row's tokens of that difference), cap)
+        level="token":    r_t = exp(logprobs_t - sampler_logprobs_t)
+        level="sequence": r_t = exp(sum over the row's tokens of that difference)
+        mode="truncate":  w_t = min(max(r_t, floor), cap)
+        mode="mask":      w_t = r_t if floor <= r_t <= cap, else 0 (at the sequence level
+                          the whole row drops out of the loss)
 
     Pass the result as `grpo_loss(..., sampler_weights=w)`. `logprobs` are the policy's
     before this update (the `old_logprobs` of `grpo_loss`).
     """
     check_choice("level", level, SAMPLER_CORRECTION_LEVELS)
+    check_choice("mode", mode, SAMPLER_CORRECTION_MODES)
     check_shape("logprobs", logprobs, ndim=2)
     check_shape("sampler_logprobs", sampler_logprobs, like=("logprobs", logprobs))
     check_shape("mask", mask, like=("logprobs", logprobs))
     if not cap >= 1:
         raise ValueError(f"cap must be >= 1 (the largest weight), got {cap}.")
+    if not 0 <= floor <= 1:
+        raise ValueError(f"floor must be in [0, 1] (the smallest weight kept), got {floor}.")
     on = mask.astype(bool)
-    log_weight = jnp.where(
+    log_ratio = jnp.where(
         on, logprobs.astype(jnp.float32) - sampler_logprobs.astype(jnp.float32), 0.0
     )  # [B, T]
     if level == "sequence":
-        log_weight = jnp.broadcast_to(log_weight.sum(axis=-1, keepdims=True), log_weight.shape)
-    weight = jnp.minimum(jnp.exp(log_weight), cap)  # exp's overflow to inf is capped too
+        log_ratio = jnp.broadcast_to(log_ratio.sum(axis=-1, keepdims=True), log_ratio.shape)
+    ratio = jnp.exp(log_ratio)  # its overflow to inf is above any cap
+    if mode == "truncate":
+        weight = jnp.clip(ratio, floor, cap)
+    else:
+        weight = jnp.where((ratio >= floor) & (ratio <= cap), ratio, 0.0)
     return jax.lax.stop_gradient(jnp.where(on, weight, 0.0))
 
 

@@ -293,6 +293,8 @@ def update_config_of(config: Config, *, beta_in_loss: float, batch_shards: int =
         max_completion_length=config.rollout.max_new_tokens,
         sampler_correction=algo.sampler_correction,
         sampler_correction_cap=algo.sampler_correction_cap,
+        sampler_correction_mode=algo.sampler_correction_mode,
+        sampler_correction_floor=algo.sampler_correction_floor,
     )
 
 

@@ -22,7 +22,12 @@ import jax.numpy as jnp
 import optax
 
 from jgrpo.logprobs import chunked_token_logprobs
-from jgrpo.losses import SAMPLER_CORRECTION_LEVELS, grpo_loss, sampler_weights
+from jgrpo.losses import (
+    SAMPLER_CORRECTION_LEVELS,
+    SAMPLER_CORRECTION_MODES,
+    grpo_loss,
+    sampler_weights,
+)
 from models.config import ModelConfig
 from models.group_forward import (
     PackedCompletions,
@@ -63,8 +68,10 @@ class UpdateConfig:
     shared_prompt_rows: int = 1  # G: rows that repeat one prompt; 1 = every row in full
     matmul_dtype: str = "float32"  # "bfloat16": bf16 products, f32 sums (completion_logprobs)
     max_completion_length: int | None = None  # dr_grpo's divisor; None = the batch's width
-    sampler_correction: str = "none"  # "token" / "sequence": weight by min(pi / pi_sampler, cap)
-    sampler_correction_cap: float = 2.0
+    sampler_correction: str = "none"  # "token" / "sequence": weight by pi / pi_sampler
+    sampler_correction_cap: float = 2.0  # the largest weight
+    sampler_correction_mode: str = "truncate"  # "mask": weights outside [floor, cap] are 0
+    sampler_correction_floor: float = 0.0  # the smallest weight: raised to it, or masked below
 
     def __post_init__(self):
         for name in ("num_iterations", "num_minibatches", "grad_accumulation"):
@@ -95,6 +102,15 @@ class UpdateConfig:
         if not self.sampler_correction_cap >= 1:
             raise ValueError(
                 f"sampler_correction_cap must be >= 1, got {self.sampler_correction_cap}."
+            )
+        if self.sampler_correction_mode not in SAMPLER_CORRECTION_MODES:
+            raise ValueError(
+                "sampler_correction_mode must be 'truncate' or 'mask', got "
+                f"{self.sampler_correction_mode!r}."
+            )
+        if not 0 <= self.sampler_correction_floor <= 1:
+            raise ValueError(
+                f"sampler_correction_floor must be in [0, 1], got {self.sampler_correction_floor}."
             )
 
     @property
@@ -394,16 +410,22 @@ def _sampler_terms(
     metrics = {"sampler_gap": gap.sum() / tokens}
     if cfg.sampler_correction == "none":
         return None, jax.lax.stop_gradient(metrics)
-    weights = sampler_weights(
+    weigh = functools.partial(
+        sampler_weights,
         old_logprobs,
         sampler_logprobs,
         completion_mask,
         level=cfg.sampler_correction,
+    )
+    weights = weigh(
         cap=cfg.sampler_correction_cap,
+        mode=cfg.sampler_correction_mode,
+        floor=cfg.sampler_correction_floor,
     )  # [B, N]
-    capped = weights >= cfg.sampler_correction_cap  # 0 off the mask, and the cap is >= 1
+    ratios = weigh(cap=jnp.inf)  # [B, N], unbounded
+    cut = on & (weights != ratios)  # capped, raised to the floor, or masked
     metrics["sampler_weight_mean"] = weights.sum() / tokens
-    metrics["sampler_capped_frac"] = capped.sum() / tokens
+    metrics["sampler_capped_frac"] = cut.sum() / tokens
     return weights, jax.lax.stop_gradient(metrics)
 
 

@@ -73,6 +73,14 @@ def test_round_trip_through_yaml(tmp_path):
             ["algorithm.sampler_correction_cap=0.9"],
             r"algorithm\.sampler_correction_cap must be >= 1",
         ),
+        (
+            ["algorithm.sampler_correction_mode=clip"],
+            r"algorithm\.sampler_correction_mode must be one of 'truncate', 'mask'",
+        ),
+        (
+            ["algorithm.sampler_correction_floor=1.2"],
+            r"algorithm\.sampler_correction_floor must be in \[0, 1\]",
+        ),
         (["train.profile_steps=-1"], r"train\.profile_steps must be >= 0"),
         (
             ["train.steps=3", "train.profile_steps=2", "train.profile_start=5"],

@@ -282,6 +282,10 @@ def test_bad_sampler_weights_input_names_the_argument():
         jgrpo.sampler_weights(old, sampler, mask, level="group")
     with pytest.raises(ValueError, match="cap must be >= 1"):
         jgrpo.sampler_weights(old, sampler, mask, cap=0.5)
+    with pytest.raises(ValueError, match="mode must be one of 'truncate', 'mask'"):
+        jgrpo.sampler_weights(old, sampler, mask, mode="clip")
+    with pytest.raises(ValueError, match=r"floor must be in \[0, 1\]"):
+        jgrpo.sampler_weights(old, sampler, mask, floor=1.5)
     with pytest.raises(ValueError, match="sampler_logprobs must have the same shape"):
         jgrpo.sampler_weights(old, sampler[:, :2], mask)
 
@@ -308,18 +312,30 @@ SAMPLER = [
 
 
 @pytest.mark.parametrize(
-    ("level", "cap", "expected"),
+    ("level", "cap", "mode", "floor", "expected"),
     [
-        ("token", 2.0, [[1.5, 2.0, 0.0], [1.0, 0.5, 1.25]]),
-        ("token", 4.0, [[1.5, 3.0, 0.0], [1.0, 0.5, 1.25]]),
+        ("token", 2.0, "truncate", 0.0, [[1.5, 2.0, 0.0], [1.0, 0.5, 1.25]]),
+        ("token", 4.0, "truncate", 0.0, [[1.5, 3.0, 0.0], [1.0, 0.5, 1.25]]),
+        ("token", 2.0, "truncate", 0.8, [[1.5, 2.0, 0.0], [1.0, 0.8, 1.25]]),
+        ("token", 2.0, "mask", 0.0, [[1.5, 0.0, 0.0], [1.0, 0.5, 1.25]]),
+        ("token", 2.0, "mask", 0.8, [[1.5, 0.0, 0.0], [1.0, 0.0, 1.25]]),
         # sequences: 1.5 * 3 = 4.5 and 1 * 0.5 * 1.25 = 0.625, on each of their tokens
-        ("sequence", 2.0, [[2.0, 2.0, 0.0], [0.625, 0.625, 0.625]]),
-        ("sequence", 5.0, [[4.5, 4.5, 0.0], [0.625, 0.625, 0.625]]),
+        ("sequence", 2.0, "truncate", 0.0, [[2.0, 2.0, 0.0], [0.625, 0.625, 0.625]]),
+        ("sequence", 5.0, "truncate", 0.0, [[4.5, 4.5, 0.0], [0.625, 0.625, 0.625]]),
+        ("sequence", 5.0, "truncate", 0.7, [[4.5, 4.5, 0.0], [0.7, 0.7, 0.7]]),
+        ("sequence", 2.0, "mask", 0.0, [[0.0, 0.0, 0.0], [0.625, 0.625, 0.625]]),
+        ("sequence", 5.0, "mask", 0.7, [[4.5, 4.5, 0.0], [0.0, 0.0, 0.0]]),
     ],
 )
-def test_sampler_weights_by_hand(level, cap, expected):
+def test_sampler_weights_by_hand(level, cap, mode, floor, expected):
     weights = jgrpo.sampler_weights(
-        jnp.array(OLD), jnp.array(SAMPLER), jnp.array(MASK), level=level, cap=cap
+        jnp.array(OLD),
+        jnp.array(SAMPLER),
+        jnp.array(MASK),
+        level=level,
+        cap=cap,
+        mode=mode,
+        floor=floor,
     )
     np.testing.assert_allclose(weights, expected, rtol=1e-6)
     assert weights.dtype == jnp.float32
@@ -333,6 +349,10 @@ def test_sampler_weights_carry_no_gradient_and_never_overflow():
     far = jnp.array([[500.0, 0.0, 0.0]])  # exp(500) overflows f32
     weights = jgrpo.sampler_weights(far, jnp.zeros((1, 3)), jnp.ones((1, 3)), level="sequence")
     np.testing.assert_array_equal(weights, [[2.0, 2.0, 2.0]])
+    masked = jgrpo.sampler_weights(
+        far, jnp.zeros((1, 3)), jnp.ones((1, 3)), level="sequence", mode="mask"
+    )
+    np.testing.assert_array_equal(masked, [[0.0, 0.0, 0.0]])  # inf is above the cap
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo"])

@@ -726,6 +726,23 @@ def test_bf16_sampling_with_the_sampler_correction(tmp_path):
     assert {"sampler/gap", "sampler/weight_mean", "sampler/capped_frac"} <= logged.keys()
 
 
+def test_the_sampler_corrections_bounds_reach_the_update():
+    config = load_config(
+        None,
+        [
+            "algorithm.sampler_correction=sequence",
+            "algorithm.sampler_correction_cap=3",
+            "algorithm.sampler_correction_mode=mask",
+            "algorithm.sampler_correction_floor=0.5",
+        ],
+    )
+    update = train_module.update_config_of(config, beta_in_loss=0.0)
+    assert (update.sampler_correction, update.sampler_correction_cap) == ("sequence", 3.0)
+    assert (update.sampler_correction_mode, update.sampler_correction_floor) == ("mask", 0.5)
+    default = train_module.update_config_of(load_config(None, []), beta_in_loss=0.0)
+    assert (default.sampler_correction_mode, default.sampler_correction_floor) == ("truncate", 0)
+
+
 def test_a_prompt_longer_than_the_limit_is_an_error_not_a_truncation(tmp_path):
     from jgrpo.tasks.datasets import DatasetError
 

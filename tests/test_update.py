@@ -246,16 +246,21 @@ def test_sampler_gap_is_the_mean_distance_to_the_samplers_logprobs(params):
 
 
 @pytest.mark.parametrize(
-    ("correction", "log_weight", "expected_weight"),
+    ("correction", "log_weight", "bounds", "expected_weight", "cut"),
     [
-        ("token", np.log(1.5), 1.5),  # every token weighs 1.5
-        ("token", np.log(3.0), 2.0),  # capped at 2
-        ("sequence", np.log(1.5), 1.5),  # the first token's 1.5 on every token of its row
+        ("token", np.log(1.5), {}, 1.5, 0.0),  # every token weighs 1.5
+        ("token", np.log(3.0), {}, 2.0, 1.0),  # capped at 2
+        ("sequence", np.log(1.5), {}, 1.5, 0.0),  # the first token's 1.5 on its whole row
+        ("token", np.log(0.5), {"sampler_correction_floor": 0.8}, 0.8, 1.0),  # raised to 0.8
+        ("token", np.log(1.5), {"sampler_correction_mode": "mask"}, 1.5, 0.0),
+        ("token", np.log(3.0), {"sampler_correction_mode": "mask"}, 0.0, 1.0),  # out of the loss
     ],
 )
-def test_sampler_correction_scales_the_gradient(params, correction, log_weight, expected_weight):
+def test_sampler_correction_scales_the_gradient(
+    params, correction, log_weight, bounds, expected_weight, cut
+):
     """With pi / pi_sampler the same w on every token the corrected gradient is w times the
-    plain one, so plain SGD moves every parameter w times as far."""
+    plain one, so plain SGD moves every parameter w times as far (not at all when masked)."""
     batch, _ = rollout_batch(params)
     policy = logprobs_under(params, batch)  # [B, N]
     if correction == "token":
@@ -265,11 +270,14 @@ def test_sampler_correction_scales_the_gradient(params, correction, log_weight, 
     sgd = optax.sgd(1.0)
     plain, plain_metrics = step(params, batch, optimizer=sgd)
     corrected, metrics = step(
-        params, with_sampler(batch, sampler), optimizer=sgd, sampler_correction=correction
+        params,
+        with_sampler(batch, sampler),
+        optimizer=sgd,
+        sampler_correction=correction,
+        **bounds,
     )
     np.testing.assert_allclose(metrics["sampler_weight_mean"][0, 0], expected_weight, rtol=1e-4)
-    capped = 1.0 if expected_weight == 2.0 else 0.0
-    np.testing.assert_allclose(metrics["sampler_capped_frac"][0, 0], capped)
+    np.testing.assert_allclose(metrics["sampler_capped_frac"][0, 0], cut)
     np.testing.assert_allclose(
         metrics["grad_norm"], expected_weight * plain_metrics["grad_norm"], rtol=1e-4
     )
@@ -307,6 +315,10 @@ def test_bad_update_config(params):
         UpdateConfig(sampler_correction="tis")
     with pytest.raises(ValueError, match="sampler_correction_cap must be >= 1"):
         UpdateConfig(sampler_correction_cap=0.5)
+    with pytest.raises(ValueError, match="sampler_correction_mode must be 'truncate' or 'mask'"):
+        UpdateConfig(sampler_correction_mode="clip")
+    with pytest.raises(ValueError, match=r"sampler_correction_floor must be in \[0, 1\]"):
+        UpdateConfig(sampler_correction_floor=-0.1)
     with pytest.raises(ValueError, match="schedule must be one of 'constant', 'cosine'"):
         make_optimizer(1e-3, total_steps=1, schedule="linear")
     batch, _ = rollout_batch(params)
