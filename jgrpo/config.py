@@ -49,6 +49,11 @@ class ModelSection:
     preset: str = option("tiny", "models preset used when path is None (random init)")
     dtype: str = option("float32", "parameter dtype: float32 or bfloat16")
     remat: bool = option(False, "recompute each layer in the backward pass (less memory)")
+    keep_logits_mib: float = option(
+        512.0,
+        "the update keeps a micro-batch's log-prob logits (tokens x vocabulary x 4 bytes) for "
+        "the backward pass up to this many MiB, else recomputes them (0: always recompute)",
+    )
     matmul_dtype: str = option(
         "float32",
         "operands of the update's weight-matrix products: float32, or bfloat16 (mixed precision: "
@@ -58,6 +63,11 @@ class ModelSection:
     def check(self):
         if self.dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"model.dtype must be 'float32' or 'bfloat16', got {self.dtype!r}.")
+        if not self.keep_logits_mib >= 0:
+            raise ConfigError(
+                f"model.keep_logits_mib must be >= 0 (0: recompute the logits in the backward "
+                f"pass), got {self.keep_logits_mib}."
+            )
         if self.matmul_dtype not in ("float32", "bfloat16"):
             raise ConfigError(
                 f"model.matmul_dtype must be 'float32' or 'bfloat16', got {self.matmul_dtype!r}."

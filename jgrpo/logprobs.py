@@ -54,16 +54,23 @@ def chunked_token_logprobs(
     *,
     temperature: float = 1.0,
     chunk_size: int = 4096,
+    keep_logits: bool = False,
 ) -> tuple[jax.Array, jax.Array]:  # (f32[B, T], f32[B, T])
     """`token_logprobs(hidden @ unembedding, targets)` without building the logits.
 
     The vocabulary is processed about `chunk_size` columns at a time (an online logsumexp
     carries the running max, the normaliser and the entropy's sum), and the backward pass
     recomputes each chunk instead of storing it: temporary memory is O(B*T*chunk_size)
-    instead of O(B*T*V). Logits are accumulated in f32 whatever the input dtype. A table in
-    a lower precision than the hidden states (bf16 for f32 ones, as
-    `models.transformer.with_matmul_weights` makes) rounds the hidden states to its dtype:
-    every product, forward and backward, takes bf16 operands and sums in f32.
+    instead of O(B*T*V). `keep_logits=True` trades that memory back for time: the forward
+    pass under differentiation stores every chunk's f32 logits (B*T*V*4 bytes) and the
+    backward pass reads them instead of repeating the chunk's product, with the same
+    results to float rounding (a quarter fewer products in this head; its forward and
+    backward at the compare workload's shapes took 2.2-2.3 against 2.6-2.8 s on CPU,
+    docs/benchmarks.md). Without differentiation nothing is stored either way. Logits are
+    accumulated in f32 whatever the input dtype. A table in a lower precision than the
+    hidden states (bf16 for f32 ones, as `models.transformer.with_matmul_weights` makes)
+    rounds the hidden states to its dtype: every product, forward and backward, takes bf16
+    operands and sums in f32.
 
     Chunks are strided (chunk j holds tokens j, j + n, j + 2n, ...), so a vocabulary axis
     sharded across devices stays evenly sharded inside every chunk. Each chunk is read as a
@@ -100,7 +107,7 @@ def chunked_token_logprobs(
     target_logits = target_logits.astype(jnp.float32) / temperature
     layout = _vocab_layout(table.shape[0], chunk_size)
     log_normaliser, entropy = _logsumexp_and_entropy(
-        flat_hidden, table, temperature, layout
+        flat_hidden, table, temperature, layout, keep_logits
     )  # [N], [N]
     logprobs = (target_logits - log_normaliser).reshape(targets.shape)
     return logprobs, entropy.reshape(targets.shape)
@@ -159,21 +166,23 @@ def _times_transposed(a, b):
     return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _logsumexp_and_entropy(hidden, table, temperature, layout):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _logsumexp_and_entropy(hidden, table, temperature, layout, keep_logits):
     """(logsumexp_v z_v, -sum_v p_v log p_v) per row, z = hidden @ table^T / temperature."""
-    return _logsumexp_and_entropy_fwd(hidden, table, temperature, layout)[0]
+    del keep_logits  # only the differentiated forward pass stores logits
+    return _online_logsumexp_and_entropy(hidden, table, temperature, layout, keep=False)[:2]
 
 
-def _logsumexp_and_entropy_fwd(hidden, table, temperature, layout):
+def _online_logsumexp_and_entropy(hidden, table, temperature, layout, *, keep):
     """One pass over the chunks carrying, relative to the running max m of each row,
     s = sum exp(z - m) and w = sum exp(z - m) (z - m); then logsumexp = m + log s and
-    entropy = log s - w / s (both from small numbers: no cancellation)."""
+    entropy = log s - w / s (both from small numbers: no cancellation). With `keep`, also
+    every chunk's logits, f32[num_chunks, N, chunk]; else None."""
     table_3d = _as_3d(table, layout)
     rows = hidden.shape[0]
     operand = hidden.astype(table.dtype)  # a bf16 table multiplies in bf16, f32 sums
 
-    def body(index, carry):
+    def body(carry, index):
         running_max, normaliser, weighted = carry  # [N] each
         logits, _ = _chunk_logits(operand, table_3d, index, temperature, layout)
         new_max = jnp.maximum(running_max, logits.max(axis=-1))
@@ -183,23 +192,32 @@ def _logsumexp_and_entropy_fwd(hidden, table, temperature, layout):
         exp_shifted = jnp.exp(shifted)
         weighted = rescale * (weighted + shift * normaliser) + (exp_shifted * shifted).sum(-1)
         normaliser = normaliser * rescale + exp_shifted.sum(axis=-1)
-        return new_max, normaliser, weighted
+        return (new_max, normaliser, weighted), (logits if keep else None)
 
     start = (
         jnp.full((rows,), _MASKED_LOGIT, jnp.float32),  # finite: shift * 0 stays 0
         jnp.zeros((rows,), jnp.float32),
         jnp.zeros((rows,), jnp.float32),
     )
-    running_max, normaliser, weighted = jax.lax.fori_loop(0, layout.num_chunks, body, start)
+    (running_max, normaliser, weighted), kept = jax.lax.scan(
+        body, start, jnp.arange(layout.num_chunks)
+    )
     log_normaliser = running_max + jnp.log(normaliser)
     entropy = jnp.log(normaliser) - weighted / normaliser
-    return (log_normaliser, entropy), (hidden, table, log_normaliser, entropy)
+    return log_normaliser, entropy, kept
 
 
-def _logsumexp_and_entropy_bwd(temperature, layout, residuals, cotangents):
-    """Recomputes each chunk. With log p = z - logsumexp z and H the entropy:
-    d logsumexp / dz = p;  dH / dz = -p (log p + H)."""
-    hidden, table, log_normaliser, entropy = residuals
+def _logsumexp_and_entropy_fwd(hidden, table, temperature, layout, keep_logits):
+    log_normaliser, entropy, kept = _online_logsumexp_and_entropy(
+        hidden, table, temperature, layout, keep=keep_logits
+    )
+    return (log_normaliser, entropy), (hidden, table, log_normaliser, entropy, kept)
+
+
+def _logsumexp_and_entropy_bwd(temperature, layout, keep_logits, residuals, cotangents):
+    """Recomputes each chunk's logits (or reads the kept ones). With log p = z - logsumexp z
+    and H the entropy: d logsumexp / dz = p;  dH / dz = -p (log p + H)."""
+    hidden, table, log_normaliser, entropy, kept = residuals
     grad_lse, grad_entropy = cotangents  # [N] each
     table_3d = _as_3d(table, layout)
     # A table in a lower precision than the hidden states (`with_matmul_weights`):
@@ -209,7 +227,11 @@ def _logsumexp_and_entropy_bwd(temperature, layout, residuals, cotangents):
 
     def body(index, carry):
         grad_hidden, grad_table_3d = carry
-        logits, rows = _chunk_logits(operand, table_3d, index, temperature, layout)
+        if kept is None:
+            logits, rows = _chunk_logits(operand, table_3d, index, temperature, layout)
+        else:
+            logits = jax.lax.dynamic_index_in_dim(kept, index, keepdims=False)  # [N, chunk]
+            rows = jax.lax.dynamic_index_in_dim(table_3d, index, axis=1, keepdims=False)
         log_probs = logits - log_normaliser[:, None]  # [N, chunk]
         grad_logits = jnp.exp(log_probs) * (
             grad_lse[:, None] - grad_entropy[:, None] * (log_probs + entropy[:, None])

@@ -119,7 +119,8 @@ class MemoryPlan:
                 f"  largest micro-batch that fits: {best} rows"
                 if best
                 else "  no micro-batch fits: shard further (mesh.fsdp, mesh.tensor), use "
-                "model.dtype=bfloat16, model.remat=true, or shorter rollout lengths"
+                "model.dtype=bfloat16, model.remat=true, model.keep_logits_mib=0, or shorter "
+                "rollout lengths"
             )
         return "\n".join(lines)
 

@@ -289,6 +289,7 @@ def update_config_of(config: Config, *, beta_in_loss: float, batch_shards: int =
             config, grad_accumulation=algo.grad_accumulation, batch_shards=batch_shards
         ),
         matmul_dtype=config.model.matmul_dtype,
+        keep_logits_mib=config.model.keep_logits_mib,
         # dr_grpo divides by the length limit, not by a trimmed batch's width
         max_completion_length=config.rollout.max_new_tokens,
         sampler_correction=algo.sampler_correction,

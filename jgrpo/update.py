@@ -65,6 +65,7 @@ class UpdateConfig:
     ratio_level: str = "token"
     temperature: float = 1.0  # must equal the sampling temperature
     logprob_chunk_size: int = 4096
+    keep_logits_mib: float = 512.0  # the log-prob head's logits kept for backward up to this
     shared_prompt_rows: int = 1  # G: rows that repeat one prompt; 1 = every row in full
     matmul_dtype: str = "float32"  # "bfloat16": bf16 products, f32 sums (completion_logprobs)
     max_completion_length: int | None = None  # dr_grpo's divisor; None = the batch's width
@@ -85,6 +86,10 @@ class UpdateConfig:
         if self.temperature <= 0:
             raise ValueError(
                 f"temperature must be > 0 (the sampling temperature), got {self.temperature}."
+            )
+        if not self.keep_logits_mib >= 0:
+            raise ValueError(
+                f"keep_logits_mib must be >= 0 (0: always recompute), got {self.keep_logits_mib}."
             )
         if self.max_completion_length is not None and self.max_completion_length < 1:
             raise ValueError(
@@ -193,8 +198,13 @@ def completion_logprobs(
     chunk_size: int,
     shared_prompt_rows: int = 1,
     matmul_dtype: str = "float32",
+    keep_logits_mib: float = 0.0,
 ) -> tuple[jax.Array, jax.Array]:  # (f32[B, N], f32[B, N])
     """Log-prob and entropy of every completion token under `params` (no [B, T, V] logits).
+
+    Differentiated, the log-prob head keeps its f32 logits for the backward pass when they
+    take at most `keep_logits_mib` MiB (`keeps_logits`), and recomputes them chunk by chunk
+    otherwise (`jgrpo.chunked_token_logprobs`); the results are equal either way.
 
     `shared_prompt_rows` = G > 1 promises that each G consecutive rows repeat one prompt;
     the prompt then runs once per group (`models.group_forward`), with equal results. A
@@ -225,8 +235,14 @@ def completion_logprobs(
             group_size=shared_prompt_rows,
             completion_length=completion_length,
         )  # [M, E], [M], [B, N]
+        table = unembedding(params)  # [D, V]
         logprobs, entropy = chunked_token_logprobs(
-            hidden, unembedding(params), targets, temperature=temperature, chunk_size=chunk_size
+            hidden,
+            table,
+            targets,
+            temperature=temperature,
+            chunk_size=chunk_size,
+            keep_logits=keeps_logits(targets.size, table.shape[1], keep_logits_mib),
         )  # [M] each
         return logprobs[index], entropy[index]
     if shared_prompt_rows > 1:
@@ -248,9 +264,21 @@ def completion_logprobs(
         )  # [B, L + N, E]
         predicting = hidden[:, -completion_length - 1 : -1]  # positions that predict completions
     targets = batch.input_ids[:, -completion_length:]
+    table = unembedding(params)  # [D, V]
     return chunked_token_logprobs(
-        predicting, unembedding(params), targets, temperature=temperature, chunk_size=chunk_size
+        predicting,
+        table,
+        targets,
+        temperature=temperature,
+        chunk_size=chunk_size,
+        keep_logits=keeps_logits(targets.size, table.shape[1], keep_logits_mib),
     )
+
+
+def keeps_logits(tokens: int, vocab: int, budget_mib: float) -> bool:
+    """Whether the f32 logits of `tokens` positions over `vocab` fit in `budget_mib` MiB
+    (the whole micro-batch's, before any sharding)."""
+    return tokens * vocab * 4 <= budget_mib * 2**20
 
 
 def _split(tree, parts: int):
@@ -315,6 +343,7 @@ def train_step(
         chunk_size=cfg.logprob_chunk_size,
         shared_prompt_rows=cfg.shared_prompt_rows,
         matmul_dtype=cfg.matmul_dtype,
+        keep_logits_mib=cfg.keep_logits_mib,
     )
 
     def frozen_logprobs(params):

@@ -1,6 +1,7 @@
 """token_logprobs against torch, and the vocab-chunked twin against token_logprobs."""
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -180,6 +181,75 @@ def test_chunked_memory_is_under_a_quarter_of_full_logits():
     full = jax.jit(lambda h, w, t: jgrpo.token_logprobs(h @ w, t))
     temp_bytes = full.lower(hidden, unembedding, targets).compile().memory_analysis()
     assert temp_bytes.temp_size_in_bytes >= logits_bytes
+
+
+@pytest.mark.parametrize(
+    ("vocab", "table_dtype"), [(96, jnp.float32), (97, jnp.float32), (96, jnp.bfloat16)]
+)
+def test_kept_logits_give_equal_values_and_gradients(vocab, table_dtype):
+    """keep_logits=True stores the forward's chunk logits instead of recomputing them: the
+    same arithmetic, so results agree to float rounding (XLA may fuse the division by the
+    temperature into the recomputed product differently); a padded vocabulary and a bf16
+    table for f32 hidden states included."""
+    hidden, unembedding, targets = hidden_and_unembedding(3, 7, 16, vocab, seed=6)
+    unembedding = unembedding.astype(table_dtype)
+    weights = jax.random.normal(jax.random.key(7), (2, 3, 7))
+
+    def objective(keep):
+        def scalar(h, w):
+            logprobs, entropy = jgrpo.chunked_token_logprobs(
+                h, w, targets, temperature=0.8, chunk_size=16, keep_logits=keep
+            )
+            return (weights[0] * logprobs).sum() + (weights[1] * entropy).sum()
+
+        return jax.jit(jax.value_and_grad(scalar, argnums=(0, 1)))
+
+    recomputed, kept = objective(False)(hidden, unembedding), objective(True)(hidden, unembedding)
+    for got, expected in zip(jax.tree.leaves(kept), jax.tree.leaves(recomputed), strict=True):
+        assert got.dtype == expected.dtype
+        np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
+
+
+def count_products(jaxpr) -> int:
+    """dot_general equations, inside loops and custom rules included (each counted once)."""
+    count = sum(eqn.primitive.name == "dot_general" for eqn in jaxpr.eqns)
+    return count + sum(count_products(sub) for sub in jax.extend.core.subjaxprs(jaxpr))
+
+
+def test_kept_logits_skip_the_backward_product_and_hold_the_logits():
+    """The backward pass without kept logits repeats each chunk's product; with them it does
+    not, and the compiled program holds the B*T*V f32 logits instead."""
+    batch, length, dim, vocab = 2, 256, 32, 8192
+    hidden = jax.ShapeDtypeStruct((batch, length, dim), jnp.float32)
+    unembedding = jax.ShapeDtypeStruct((dim, vocab), jnp.float32)
+    targets = jax.ShapeDtypeStruct((batch, length), jnp.int32)
+    logits_bytes = batch * length * vocab * 4  # 16 MiB
+
+    def gradient(keep):
+        def loss(h, w, t):
+            logprobs, entropy = jgrpo.chunked_token_logprobs(
+                h, w, t, chunk_size=1024, keep_logits=keep
+            )
+            return logprobs.sum() + 0.01 * entropy.sum()
+
+        return jax.grad(loss, argnums=(0, 1))
+
+    products = {
+        keep: count_products(jax.make_jaxpr(gradient(keep))(hidden, unembedding, targets).jaxpr)
+        for keep in (False, True)
+    }
+    # forward: the target logits (1) and a chunk's logits (1); backward: the target logits'
+    # two gradients (2) and a chunk's two (2), plus the chunk's logits again unless kept (1)
+    assert products == {False: 7, True: 6}, products
+    temp = {
+        keep: jax.jit(gradient(keep))
+        .lower(hidden, unembedding, targets)
+        .compile()
+        .memory_analysis()
+        .temp_size_in_bytes
+        for keep in (False, True)
+    }
+    assert temp[False] < logits_bytes / 2 < logits_bytes <= temp[True], temp
 
 
 def test_vocab_layout():

@@ -743,6 +743,13 @@ def test_the_sampler_corrections_bounds_reach_the_update():
     assert (default.sampler_correction_mode, default.sampler_correction_floor) == ("truncate", 0)
 
 
+def test_the_logits_budget_reaches_the_update():
+    config = load_config(None, ["model.keep_logits_mib=0"])
+    assert train_module.update_config_of(config, beta_in_loss=0.0).keep_logits_mib == 0
+    default = train_module.update_config_of(load_config(None, []), beta_in_loss=0.0)
+    assert default.keep_logits_mib == 512
+
+
 def test_a_prompt_longer_than_the_limit_is_an_error_not_a_truncation(tmp_path):
     from jgrpo.tasks.datasets import DatasetError
 

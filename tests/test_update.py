@@ -14,6 +14,7 @@ from jgrpo.update import (
     UpdateConfig,
     completion_logprobs,
     init_state,
+    keeps_logits,
     make_optimizer,
     train_step,
 )
@@ -304,6 +305,29 @@ def test_sampler_weights_use_the_old_logprobs_in_every_pass(params):
     assert abs(float(metrics["ratio_mean"][1, 0]) - 1.0) > 1e-4  # the policy did move
 
 
+def test_kept_logits_change_only_memory(params):
+    """The default keeps the tiny batch's log-prob logits for the backward pass
+    (keep_logits_mib=512); 0 recomputes them. Same update either way."""
+    batch, _ = rollout_batch(params)
+    assert keeps_logits(batch.completion_mask.size, CONFIG.vocab_size, 512.0)
+    kept_state, kept_metrics = step(params, batch, beta=0.0)
+    state, metrics = step(params, batch, beta=0.0, keep_logits_mib=0.0)
+    for got, expected in zip(
+        jax.tree.leaves((kept_state.params, kept_metrics)),
+        jax.tree.leaves((state.params, metrics)),
+        strict=True,
+    ):
+        np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-7)
+    assert float(jnp.abs(state.params["lm_head"] - params["lm_head"]).max()) > 0  # it did move
+
+
+def test_keeps_logits_by_their_f32_size():
+    # The compare workload's micro-batch: 32 x 64 tokens x 49152 x 4 bytes = 384 MiB.
+    assert keeps_logits(32 * 64, 49152, 384.0)
+    assert not keeps_logits(32 * 64, 49152, 383.9)
+    assert not keeps_logits(1, 1, 0.0)
+
+
 def test_bad_update_config(params):
     with pytest.raises(ValueError, match="num_minibatches must be an int >= 1"):
         UpdateConfig(num_minibatches=0)
@@ -311,6 +335,8 @@ def test_bad_update_config(params):
         UpdateConfig(temperature=0.0)
     with pytest.raises(ValueError, match="matmul_dtype must be 'float32' or 'bfloat16'"):
         UpdateConfig(matmul_dtype="float16")
+    with pytest.raises(ValueError, match=r"keep_logits_mib must be >= 0 \(0: always recompute"):
+        UpdateConfig(keep_logits_mib=-1.0)
     with pytest.raises(ValueError, match="sampler_correction must be 'none', 'token' or"):
         UpdateConfig(sampler_correction="tis")
     with pytest.raises(ValueError, match="sampler_correction_cap must be >= 1"):
