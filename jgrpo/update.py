@@ -204,7 +204,7 @@ def completion_logprobs(
 
     Differentiated, the log-prob head keeps its f32 logits for the backward pass when they
     take at most `keep_logits_mib` MiB (`keeps_logits`), and recomputes them chunk by chunk
-    otherwise (`jgrpo.chunked_token_logprobs`); the results are equal either way.
+    otherwise (`jgrpo.chunked_token_logprobs`), with the same results to float rounding.
 
     `shared_prompt_rows` = G > 1 promises that each G consecutive rows repeat one prompt;
     the prompt then runs once per group (`models.group_forward`), with equal results. A
