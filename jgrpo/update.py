@@ -220,6 +220,18 @@ def completion_logprobs(
     """
     if matmul_dtype != "float32":
         params = with_matmul_weights(params, jnp.dtype(matmul_dtype))
+    table = unembedding(params)  # [D, V]
+
+    def head(hidden, targets):  # [..., E], int[...] -> (f32[...], f32[...])
+        return chunked_token_logprobs(
+            hidden,
+            table,
+            targets,
+            temperature=temperature,
+            chunk_size=chunk_size,
+            keep_logits=keeps_logits(targets.size, table.shape[1], keep_logits_mib),
+        )
+
     completion_length = batch.completion_mask.shape[1]
     if batch.packed is not None and shared_prompt_rows == 1:
         raise ValueError(
@@ -235,15 +247,7 @@ def completion_logprobs(
             group_size=shared_prompt_rows,
             completion_length=completion_length,
         )  # [M, E], [M], [B, N]
-        table = unembedding(params)  # [D, V]
-        logprobs, entropy = chunked_token_logprobs(
-            hidden,
-            table,
-            targets,
-            temperature=temperature,
-            chunk_size=chunk_size,
-            keep_logits=keeps_logits(targets.size, table.shape[1], keep_logits_mib),
-        )  # [M] each
+        logprobs, entropy = head(hidden, targets)  # [M] each
         return logprobs[index], entropy[index]
     if shared_prompt_rows > 1:
         predicting = group_completion_hidden(
@@ -263,16 +267,7 @@ def completion_logprobs(
             return_hidden=True,
         )  # [B, L + N, E]
         predicting = hidden[:, -completion_length - 1 : -1]  # positions that predict completions
-    targets = batch.input_ids[:, -completion_length:]
-    table = unembedding(params)  # [D, V]
-    return chunked_token_logprobs(
-        predicting,
-        table,
-        targets,
-        temperature=temperature,
-        chunk_size=chunk_size,
-        keep_logits=keeps_logits(targets.size, table.shape[1], keep_logits_mib),
-    )
+    return head(predicting, batch.input_ids[:, -completion_length:])
 
 
 def keeps_logits(tokens: int, vocab: int, budget_mib: float) -> bool:
