@@ -30,6 +30,7 @@ from jgrpo.losses import (
     SAMPLER_CORRECTION_LEVELS,
     SAMPLER_CORRECTION_MODES,
 )
+from jgrpo.update import KEEP_LOGITS_MIB
 
 
 class ConfigError(ValueError):
@@ -50,7 +51,7 @@ class ModelSection:
     dtype: str = option("float32", "parameter dtype: float32 or bfloat16")
     remat: bool = option(False, "recompute each layer in the backward pass (less memory)")
     keep_logits_mib: float = option(
-        512.0,
+        KEEP_LOGITS_MIB,
         "the update keeps a micro-batch's log-prob logits (tokens x vocabulary x 4 bytes) for "
         "the backward pass up to this many MiB, else recomputes them (0: always recompute)",
     )

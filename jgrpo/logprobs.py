@@ -146,10 +146,13 @@ def _as_3d(table, layout):
     return table.reshape(layout.chunk, layout.num_chunks, table.shape[1])
 
 
-def _chunk_logits(operand, table_3d, index, temperature, layout):
-    """Logits of chunk `index` (tokens index, index + n, ...) as f32[N, chunk], and its
-    [chunk, D] rows of the table."""
-    rows = jax.lax.dynamic_index_in_dim(table_3d, index, axis=1, keepdims=False)  # [chunk, D]
+def _chunk_rows(table_3d, index):
+    """The [chunk, D] rows of the table that chunk `index` holds (tokens index, index + n, ...)."""
+    return jax.lax.dynamic_index_in_dim(table_3d, index, axis=1, keepdims=False)
+
+
+def _chunk_logits(operand, rows, index, temperature, layout):
+    """Logits of chunk `index` as f32[N, chunk], from its `_chunk_rows`."""
     if operand.dtype == jnp.float32:
         logits = _times_transposed(operand, rows)  # [N, chunk]
     else:  # XLA:CPU multiplies bf16 fast only untransposed: one [D, chunk] copy per chunk
@@ -158,7 +161,7 @@ def _chunk_logits(operand, table_3d, index, temperature, layout):
     if layout.num_chunks * layout.chunk != layout.vocab:
         vocab_ids = jnp.arange(layout.chunk) * layout.num_chunks + index  # [chunk]
         logits = jnp.where(vocab_ids < layout.vocab, logits, _MASKED_LOGIT)
-    return logits, rows
+    return logits
 
 
 def _times_transposed(a, b):
@@ -184,7 +187,8 @@ def _online_logsumexp_and_entropy(hidden, table, temperature, layout, *, keep):
 
     def body(carry, index):
         running_max, normaliser, weighted = carry  # [N] each
-        logits, _ = _chunk_logits(operand, table_3d, index, temperature, layout)
+        rows = _chunk_rows(table_3d, index)  # [chunk, D]
+        logits = _chunk_logits(operand, rows, index, temperature, layout)
         new_max = jnp.maximum(running_max, logits.max(axis=-1))
         shift = running_max - new_max  # <= 0
         rescale = jnp.exp(shift)
@@ -227,11 +231,11 @@ def _logsumexp_and_entropy_bwd(temperature, layout, keep_logits, residuals, cota
 
     def body(index, carry):
         grad_hidden, grad_table_3d = carry
+        rows = _chunk_rows(table_3d, index)  # [chunk, D]
         if kept is None:
-            logits, rows = _chunk_logits(operand, table_3d, index, temperature, layout)
+            logits = _chunk_logits(operand, rows, index, temperature, layout)
         else:
             logits = jax.lax.dynamic_index_in_dim(kept, index, keepdims=False)  # [N, chunk]
-            rows = jax.lax.dynamic_index_in_dim(table_3d, index, axis=1, keepdims=False)
         log_probs = logits - log_normaliser[:, None]  # [N, chunk]
         grad_logits = jnp.exp(log_probs) * (
             grad_lse[:, None] - grad_entropy[:, None] * (log_probs + entropy[:, None])

@@ -36,6 +36,9 @@ from models.group_forward import (
 )
 from models.transformer import forward, unembedding, with_matmul_weights
 
+# MiB of f32 log-prob logits the update keeps for its backward pass (`keeps_logits`).
+KEEP_LOGITS_MIB = 512.0
+
 
 @dataclasses.dataclass(frozen=True)
 class UpdateConfig:
@@ -65,7 +68,7 @@ class UpdateConfig:
     ratio_level: str = "token"
     temperature: float = 1.0  # must equal the sampling temperature
     logprob_chunk_size: int = 4096
-    keep_logits_mib: float = 512.0  # the log-prob head's logits kept for backward up to this
+    keep_logits_mib: float = KEEP_LOGITS_MIB  # MiB of logits kept for the backward pass
     shared_prompt_rows: int = 1  # G: rows that repeat one prompt; 1 = every row in full
     matmul_dtype: str = "float32"  # "bfloat16": bf16 products, f32 sums (completion_logprobs)
     max_completion_length: int | None = None  # dr_grpo's divisor; None = the batch's width
@@ -198,7 +201,7 @@ def completion_logprobs(
     chunk_size: int,
     shared_prompt_rows: int = 1,
     matmul_dtype: str = "float32",
-    keep_logits_mib: float = 0.0,
+    keep_logits_mib: float = KEEP_LOGITS_MIB,
 ) -> tuple[jax.Array, jax.Array]:  # (f32[B, N], f32[B, N])
     """Log-prob and entropy of every completion token under `params` (no [B, T, V] logits).
 

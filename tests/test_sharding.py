@@ -132,8 +132,8 @@ def sgd_step(params, batch, update_config=UPDATE):
 @jax.jit
 def loss_and_grads(params, batch):
     def loss(params):
-        logprobs, _ = completion_logprobs(
-            params, batch, model_config=CONFIG, temperature=1.0, chunk_size=32
+        logprobs, _ = completion_logprobs(  # logits recomputed: train_step's tests keep them
+            params, batch, model_config=CONFIG, temperature=1.0, chunk_size=32, keep_logits_mib=0
         )
         value, _ = grpo_loss(
             logprobs,
