@@ -60,6 +60,12 @@ class ModelSection:
         "operands of the update's weight-matrix products: float32, or bfloat16 (mixed precision: "
         "bf16 products summed in f32; parameters, optimizer state and activations stay f32)",
     )
+    reference_dtype: str = option(
+        "float32",
+        "weights of the frozen reference (algorithm.beta > 0): float32 (a copy of the initial "
+        "parameters), or bfloat16 (matrices and embeddings rounded once: half its memory, bf16 "
+        "products summed in f32; its log-probs, and so the KL, move by the rounding)",
+    )
 
     def check(self):
         if self.dtype not in ("float32", "bfloat16"):
@@ -72,6 +78,11 @@ class ModelSection:
         if self.matmul_dtype not in ("float32", "bfloat16"):
             raise ConfigError(
                 f"model.matmul_dtype must be 'float32' or 'bfloat16', got {self.matmul_dtype!r}."
+            )
+        if self.reference_dtype not in ("float32", "bfloat16"):
+            raise ConfigError(
+                f"model.reference_dtype must be 'float32' or 'bfloat16', got "
+                f"{self.reference_dtype!r}."
             )
 
 

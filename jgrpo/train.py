@@ -74,6 +74,7 @@ from jgrpo.update import (
     train_step,
 )
 from models.group_forward import PackedCompletions
+from models.transformer import with_rounded_weights
 
 logger = logging.getLogger("jgrpo.train")
 
@@ -602,7 +603,7 @@ class Trainer:
             in_shardings=(
                 self.state_shardings,
                 self.batch_shardings,
-                self.param_shardings if uses_ref else None,
+                self.param_shardings if uses_ref else None,  # the reference's too
             ),
             out_shardings=(self.state_shardings, replicated(self.mesh)),
             donate_argnums=0,
@@ -619,7 +620,11 @@ class Trainer:
             jax.eval_shape(self.optimizer.init, params), self.state_shardings.opt_state
         )
         step = jax.ShapeDtypeStruct((), jnp.int32, sharding=self.state_shardings.step)
-        reference = params if self.update_config.beta > 0 else None
+        reference = None
+        if self.update_config.beta > 0:
+            reference = abstract_arrays(
+                jax.eval_shape(self.reference_params, params), self.param_shardings
+            )
         batch = self.batch_arguments(width, packed_rows)
         return TrainState(params, opt_state, step), batch, reference
 
@@ -714,6 +719,25 @@ class Trainer:
     def initial_params(self) -> dict:
         """The policy's parameters, in their shards (where `load_policy` put them)."""
         return jax.device_put(self.model.params(), self.param_shardings)  # a no-op check
+
+    @property
+    def bf16_reference(self) -> bool:
+        """Whether the reference rounds f32 weight matrices to bf16 (model.reference_dtype)."""
+        model = self.config.model
+        return model.reference_dtype == "bfloat16" and model.dtype == "float32"
+
+    def reference_params(self, params: dict) -> dict | None:
+        """The frozen reference of the KL penalty, from the initial `params` (None when beta
+        is 0): a copy, or with model.reference_dtype=bfloat16 the parameters with their
+        weight matrices and embedding table rounded to bf16 once (`with_rounded_weights`:
+        half the memory but for the norms and biases; the reference pass multiplies bf16
+        operands with f32 sums). A copy either way: the update donates the state's buffers."""
+        if self.config.algorithm.beta <= 0:
+            return None
+        if not self.bf16_reference:
+            return jax.tree.map(jnp.copy, params)
+        rounded = with_rounded_weights(params, jnp.bfloat16)  # new bf16 leaves, the rest shared
+        return jax.tree.map(lambda x: x if x.dtype == jnp.bfloat16 else jnp.copy(x), rounded)
 
     def initial_state(self, params: dict) -> TrainState:
         """Step 0 with the optimizer state created directly in its shards."""
@@ -1238,9 +1262,7 @@ def train(
     check_memory(trainer)  # before anything is allocated: a config that cannot fit stops here
 
     params = trainer.initial_params()
-    needs_ref = c.algorithm.beta > 0
-    # A separate copy: the update donates (and so invalidates) the state's buffers.
-    ref_params = jax.tree.map(jnp.copy, params) if needs_ref else None
+    ref_params = trainer.reference_params(params)  # None when beta is 0
     state = trainer.initial_state(params)
     checkpointer = Checkpointer(run_dir / "checkpoints", keep=c.train.keep_checkpoints)
     step, position = 0, 0

@@ -304,6 +304,10 @@ def train_step(
       state: donated: its buffers are reused for the result, so do not read it afterwards.
       batch: B rows; B must split into num_minibatches x grad_accumulation equal parts.
       ref_params: the frozen reference parameters; required when update_config.beta > 0.
+        Its weight matrices and embeddings may be bf16 (`models.transformer.
+        with_rounded_weights(params, jnp.bfloat16)`, what model.reference_dtype=bfloat16
+        keeps): half the memory, and the reference pass multiplies bf16 operands with f32
+        sums.
       model_config: static, like update_config and optimizer: a new value compiles anew.
 
     Returns the new state and metrics, each of shape [num_iterations, num_minibatches] (so

@@ -33,8 +33,8 @@ from models.transformer import (
     _MASKED,
     apply_rope,
     constrain,
-    embed_tokens,
     forward,
+    input_embeddings,
     rms_norm,
     row_major,
     write_slice,
@@ -205,7 +205,7 @@ def decode_step(
     heads, kv_heads, dim = config.num_heads, config.num_kv_heads, config.head_dim
     completion_mask = jnp.arange(cache.completion_v[0].shape[2]) <= slot  # [N]
     cos, sin = (jnp.take(table, positions, axis=0)[:, None] for table in rope)  # [B, 1, D/2]
-    x = embed_tokens(params["embed"], tokens)  # [B, E]
+    x = input_embeddings(params, tokens)  # [B, E]
     x = _feature_major(row_major(x.T))  # [E, B]
     new_k, new_v = [], []
     for i, layer in enumerate(layers):

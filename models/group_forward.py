@@ -38,9 +38,9 @@ import jax.numpy as jnp
 
 from models.config import ModelConfig
 from models.transformer import (
-    embed_tokens,
     finish_layer,
     grouped_query_attention,
+    input_embeddings,
     over_layers,
     rms_norm,
     rope_tables,
@@ -229,6 +229,6 @@ def _group_layers(
 
     if config.remat:
         layer = jax.checkpoint(layer, prevent_cse=False)
-    x = embed_tokens(params["embed"], token_ids)  # [P, Lp + U * N, E]
+    x = input_embeddings(params, token_ids)  # [P, Lp + U * N, E]
     x, _ = over_layers(layer, x, params["layers"], config.num_layers)
     return x

@@ -59,6 +59,12 @@ def init_cache(config: ModelConfig, batch: int, max_length: int, dtype=jnp.float
     )
 
 
+def input_embeddings(params: dict, ids: jax.Array) -> jax.Array:  # int[...] -> [..., E]
+    """The embedding rows of `ids` in the activations' dtype, the norms': a table rounded to
+    bf16 beside f32 norms (`with_rounded_weights`) is read back as f32."""
+    return embed_tokens(params["embed"], ids).astype(params["final_norm"].dtype)
+
+
 def constrain(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
     """Sharding constraint by logical axis names; a no-op outside a mesh with rules."""
     rules = nn.get_logical_axis_rules()
@@ -269,7 +275,7 @@ def forward(
     mask = causal[None] & key_mask[:, None, :].astype(bool)  # [B, T, S]
     cos, sin = rope_tables(config, positions)  # [B, T, D/2] each
 
-    x = embed_tokens(params["embed"], input_ids)  # [B, T, E]
+    x = input_embeddings(params, input_ids)  # [B, T, E]
 
     def cast(layer_params: dict) -> dict:
         return layer_params if matmul_dtype is None else matmul_kernels(layer_params, matmul_dtype)
@@ -369,6 +375,19 @@ def with_matmul_weights(params: dict, dtype) -> dict:
     f32 parameters) it is mixed-precision training (`jgrpo.UpdateConfig.matmul_dtype`).
     """
     out = with_matmul_unembedding(params, dtype)
+    out["layers"] = matmul_kernels(params["layers"], dtype)
+    return out
+
+
+def with_rounded_weights(params: dict, dtype) -> dict:
+    """`params` with every weight matrix and the embedding table in `dtype`, norms and biases
+    as they were: a frozen model in about half the memory at bf16 (the KL's reference,
+    `model.reference_dtype`). The forward pass reads the table's rows back in the norms'
+    dtype and multiplies its activations by the rounded matrices with f32 sums, as with
+    `with_matmul_weights`, whose values it equals but for the rounded embeddings."""
+    out = dict(params, embed=params["embed"].astype(dtype))
+    if "lm_head" in params:
+        out["lm_head"] = params["lm_head"].astype(dtype)
     out["layers"] = matmul_kernels(params["layers"], dtype)
     return out
 

@@ -49,6 +49,7 @@ def jgrpo_config(
     sampling_weights: str = "float32",
     matmul: str = "float32",
     overrides: tuple[str, ...] = (),
+    reference: str = "float32",
 ):
     """The workload as a jgrpo Config; `overrides` (`key=value`) are applied last. bf16
     sampling weights come with the sampler correction, as a user would run them."""
@@ -76,6 +77,7 @@ def jgrpo_config(
             f"rollout.weights_dtype={sampling_weights}",
             f"algorithm.sampler_correction={correction}",
             f"model.matmul_dtype={matmul}",
+            f"model.reference_dtype={reference}",
             *overrides,
         ],
     )
@@ -97,7 +99,11 @@ def jgrpo_task():
 
 
 def run_jgrpo(
-    checkpoint: Path, steps: int, sampling_weights: str = "float32", matmul: str = "float32"
+    checkpoint: Path,
+    steps: int,
+    sampling_weights: str = "float32",
+    matmul: str = "float32",
+    reference: str = "float32",
 ) -> str:
     """`steps` + 1 trainer steps of the workload (the first compiles): the RESULT line."""
     import jax
@@ -109,13 +115,14 @@ def run_jgrpo(
     from models.transformer import forward
 
     reexec_with_huge_pages()  # as `python -m jgrpo.train` starts (returns if not)
-    trainer = Trainer(jgrpo_config(checkpoint, steps + 1, sampling_weights, matmul), jgrpo_task())
+    config = jgrpo_config(checkpoint, steps + 1, sampling_weights, matmul, reference=reference)
+    trainer = Trainer(config, jgrpo_task())
     # Exactly NEW_TOKENS per completion: no stop tokens (benchmark only).
     trainer.sampling = dataclasses.replace(trainer.sampling, stop_token_ids=())
     started = time.perf_counter()
     trainer.compile_update_ahead()  # as `jgrpo.train.train` does
     params = trainer.initial_params()
-    ref_params = jax.tree.map(jnp.copy, params)
+    ref_params = trainer.reference_params(params)  # model.reference_dtype's
     state = trainer.initial_state(params)
     metrics, position, peaks = [], 0, []
     for step in range(steps + 1):
@@ -133,7 +140,7 @@ def run_jgrpo(
     reference_s = _median_time(lambda: trainer.frozen_logprobs(ref_params, batch), steps)
     forward_s = _median_time(
         lambda: forward(
-            ref_params,
+            state.params,
             batch.input_ids,
             attention_mask=batch.attention_mask,
             config=trainer.model_config,
@@ -146,6 +153,8 @@ def run_jgrpo(
     label = f"jgrpo (jax {jax.__version__})"
     if matmul != "float32":
         label = f"jgrpo, {matmul} matmuls (sampling and update)"
+    elif reference != "float32":
+        label = f"jgrpo, {sampling_weights} sampling weights and reference, corrected"
     elif sampling_weights != "float32":
         label = f"jgrpo, {sampling_weights} sampling weights, corrected"
     return workload.result_line(
@@ -167,6 +176,7 @@ def run_jgrpo(
         reference_flops=flops,
         matmul_peak_flops=statistics.median(peaks),
         matmul_dtype=matmul,
+        reference_dtype=reference,
     )
 
 
@@ -186,10 +196,10 @@ def run_library(
     name: str, python: str, checkpoint: Path, steps: int, environment: dict[str, str]
 ) -> dict | None:
     """Runs one library's step script in a fresh process and parses its RESULT line."""
-    if name.startswith("jgrpo"):  # "jgrpo[:sampling weights dtype[:update matmul dtype]]"
-        weights, matmul = (name.split(":")[1:] + ["float32", "float32"])[:2]
+    if name.startswith("jgrpo"):  # "jgrpo[:sampling weights[:update matmuls[:reference]]]"
+        weights, matmul, reference = (name.split(":")[1:] + ["float32"] * 3)[:3]
         command = [python, __file__, "--_library", "jgrpo", "--sampling-weights", weights]
-        command += ["--matmul-dtype", matmul]
+        command += ["--matmul-dtype", matmul, "--reference-dtype", reference]
     else:  # "trl" or "trl:bf16" (its mixed precision)
         peer, _, mode = name.partition(":")
         command = [python, str(SCRIPTS / "peers" / f"{peer}_step.py")]
@@ -248,6 +258,13 @@ def main(argv: list[str] | None = None) -> int:
         "algorithm.sampler_correction=token (a row of its own)",
     )
     parser.add_argument(
+        "--bf16-reference",
+        action="store_true",
+        help="also run jgrpo with bf16 sampling weights and a bf16 reference "
+        "(rollout.weights_dtype and model.reference_dtype=bfloat16, the sampler correction "
+        "on; the update's products stay f32; a row of its own)",
+    )
+    parser.add_argument(
         "--bf16-matmuls",
         action="store_true",
         help="also run jgrpo with bf16 products in sampling and update (rollout.weights_dtype "
@@ -264,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--sampling-weights", default="float32", help=argparse.SUPPRESS)
     parser.add_argument("--matmul-dtype", default="float32", help=argparse.SUPPRESS)
+    parser.add_argument("--reference-dtype", default="float32", help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
     parser.add_argument("--_library", help=argparse.SUPPRESS)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
@@ -271,7 +289,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--steps must be at least 1 (timed steps after the first), got {args.steps}")
     if args._library == "jgrpo":  # the child process
         print(
-            run_jgrpo(Path(args.checkpoint), args.steps, args.sampling_weights, args.matmul_dtype),
+            run_jgrpo(
+                Path(args.checkpoint),
+                args.steps,
+                args.sampling_weights,
+                args.matmul_dtype,
+                args.reference_dtype,
+            ),
             flush=True,
         )
         return 0
@@ -280,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     libraries = [("jgrpo", sys.executable)]
     if args.bf16_sampling:
         libraries.append(("jgrpo:bfloat16", sys.executable))
+    if args.bf16_reference:
+        libraries.append(("jgrpo:bfloat16:float32:bfloat16", sys.executable))
     if args.bf16_matmuls:
         libraries.append(("jgrpo:bfloat16:bfloat16", sys.executable))
     libraries += [
@@ -329,6 +355,7 @@ def update_summary(result: dict) -> str:
     update = statistics.median(result["update_s"])  # the reference pass runs inside it
     flops = result["update_flops"] + result["reference_flops"]
     dtype = {"float32": "f32", "bfloat16": "bf16"}[result.get("matmul_dtype", "float32")]
+    bf16_reference = result.get("reference_dtype", "float32") == "bfloat16"
     return (
         f"{result['completion_tokens'][0]} completion tokens per step; reward "
         f"{statistics.median(result['reward_s']):.3f} s; reference pass "
@@ -337,7 +364,8 @@ def update_summary(result: dict) -> str:
         f"backward, AdamW): {flops / 1e9:.1f} GFLOP counted from the shapes in {update:.3f} s "
         f"= {flops / update / 1e9:.1f} GFLOP/s, {flops / update / peak:.0%} of the {dtype} "
         f"matmul peak measured in the same process after each step (median "
-        f"{peak / 1e9:.1f} GFLOP/s)."
+        f"{peak / 1e9:.1f} GFLOP/s)"
+        + (" with the reference pass in bf16." if bf16_reference else ".")
     )
     return 0
 

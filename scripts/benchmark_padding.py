@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     padded = trainers["padded"]
     padded.sampling = dataclasses.replace(padded.sampling, stop_token_ids=())  # full rows
     params = padded.initial_params()
-    reference = jax.tree.map(jnp.copy, params) if base.algorithm.beta > 0 else None
+    reference = padded.reference_params(params)
     state = padded.initial_state(params)
     groups, _, _ = padded.collect(params, reference, jax.random.key(args.seed), 0)
     rng = np.random.default_rng(args.seed)

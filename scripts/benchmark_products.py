@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     trainer.sampling = dataclasses.replace(trainer.sampling, stop_token_ids=())
     trainer.compile_update_ahead()
     params = trainer.initial_params()
-    reference = jax.tree.map(jnp.copy, params) if trainer.update_config.beta > 0 else None
+    reference = trainer.reference_params(params)
     state = trainer.initial_state(params)
     whole = {"rollout": [], "update": []}
     position = 0

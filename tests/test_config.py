@@ -65,6 +65,10 @@ def test_round_trip_through_yaml(tmp_path):
         (["model.dtype=float16"], r"model\.dtype must be 'float32' or 'bfloat16'"),
         (["rollout.weights_dtype=fp8"], r"rollout\.weights_dtype must be 'float32' or 'bfloat16'"),
         (["model.matmul_dtype=fp16"], r"model\.matmul_dtype must be 'float32' or 'bfloat16'"),
+        (
+            ["model.reference_dtype=float16"],
+            r"model\.reference_dtype must be 'float32' or 'bfloat16'",
+        ),
         (["model.keep_logits_mib=-1"], r"model\.keep_logits_mib must be >= 0 \(0: recompute"),
         (
             ["algorithm.sampler_correction=tis"],

@@ -1,7 +1,9 @@
 """Memory planning from the compiled programs, and the start-up check of the training loop."""
 
 import jax
+import jax.numpy as jnp
 import pytest
+from tiny_hf import save_char_checkpoint
 
 from jgrpo import plan as plan_module
 from jgrpo.config import load_config
@@ -101,3 +103,27 @@ def test_packing_plans_only_micro_batches_of_whole_groups():
     report = plan.report(budget=2**40)
     assert "micro-batch     1 rows: splits groups, so runs unpacked" in report
     assert "largest micro-batch that fits: 4 rows" in report
+
+
+def test_a_bf16_reference_is_planned_and_placed_at_its_rounded_size(tmp_path):
+    """model.reference_dtype=bfloat16 on a checkpoint with tied embeddings: the reference
+    holds its kernels and its one table (input and output) in bf16, beside f32 norms, each
+    split like the parameter it rounds; the plan counts those bytes, and the update compiles
+    for them."""
+    directory = save_char_checkpoint(tmp_path / "tied", tied=True)
+    overrides = [*PLANNED, f"model.path={directory}", "model.reference_dtype=bfloat16"]
+    trainer = Trainer(load_config(None, overrides))
+    params = trainer.initial_params()
+    reference = trainer.reference_params(params)
+    assert "lm_head" not in reference and reference["embed"].dtype == jnp.bfloat16
+    jax.tree.map(
+        lambda x, y: x.sharding.is_equivalent_to(y.sharding, x.ndim) or 1 / 0, reference, params
+    )
+    f32 = sum(x.size * 4 for x in jax.tree.leaves(params))
+    matrices = params["embed"].size + sum(
+        x.size for name, x in params["layers"].items() if name.endswith("_kernel")
+    )
+    expected = f32 - 2 * matrices  # each matrix at 2 bytes a value instead of 4
+    assert sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(reference)) == expected
+    plan = plan_memory(trainer)
+    assert plan.reference == expected // 8  # every leaf has an embed dimension: fsdp splits it

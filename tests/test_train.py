@@ -1,6 +1,7 @@
 """The training loop end to end on the tiny demo config: metrics, checkpoints, resume, export."""
 
 import dataclasses
+import functools
 import logging
 import os
 import pathlib
@@ -163,12 +164,22 @@ def test_the_policy_changes_and_adam_state_is_saved(tmp_path):
     assert int(result.state.step) == 2  # one optimizer step per training step here
 
 
-def test_the_update_compiled_ahead_is_the_program_the_first_step_calls(tmp_path, count_compiles):
+@pytest.mark.parametrize("reference_dtype", ["float32", "bfloat16"])
+def test_the_update_compiled_ahead_is_the_program_the_first_step_calls(
+    tmp_path, count_compiles, reference_dtype
+):
     """`train` compiles the update in a thread while the first rollout runs. The batch the
     step makes must match the arguments it was compiled for (shapes, dtypes, shardings), so
-    that the step's call finds it in jit's cache and compiles nothing."""
+    that the step's call finds it in jit's cache and compiles nothing; the reference too,
+    in model.reference_dtype, and it outlives the step that donates the state."""
     # A learning rate no other test uses: an update program no other test compiled.
-    config = tiny_config(tmp_path, "optim.lr=7e-4", "algorithm.beta=0.04", "train.steps=2")
+    config = tiny_config(
+        tmp_path,
+        "optim.lr=7e-4",
+        "algorithm.beta=0.04",
+        "train.steps=2",
+        f"model.reference_dtype={reference_dtype}",
+    )
     trainer = train_module.Trainer(config)
     start = count_compiles()
     trainer.compile_update_ahead()
@@ -176,7 +187,7 @@ def test_the_update_compiled_ahead_is_the_program_the_first_step_calls(tmp_path,
     trainer.compiled_update()
     assert count_compiles() == start + 1
     params = trainer.initial_params()
-    reference = jax.tree.map(jnp.copy, params)
+    reference = trainer.reference_params(params)
     state = trainer.initial_state(params)
     groups, _, _ = trainer.collect(state.params, reference, jax.random.key(0), 0)
     batch = trainer.to_batch(groups, trainer.advantages(groups))
@@ -192,6 +203,69 @@ def test_the_update_compiled_ahead_is_the_program_the_first_step_calls(tmp_path,
     state, metrics, _ = trainer.step(state, reference, 0, 0)
     assert count_compiles() == before
     assert int(state.step) == 1 and np.isfinite(metrics["loss"])
+    assert not any(x.is_deleted() for x in jax.tree.leaves(reference))  # not the state's
+    # Policy == reference at the first step: the KL is 0 but for the reference's rounding.
+    if reference_dtype == "float32":
+        assert metrics["kl"] == 0.0
+    else:
+        assert 0.0 < metrics["kl"] < 1e-4
+
+
+def test_a_bf16_reference_rounds_the_weight_matrices_once(tmp_path):
+    """model.reference_dtype=bfloat16: the reference holds the initial parameters with the
+    layers' kernels, the embedding table and the output projection rounded to bf16, norms
+    f32, and the update scores it as the f32 model with rounded embeddings and bf16
+    products summed in f32 (`completion_logprobs(..., matmul_dtype="bfloat16")`)."""
+    from jgrpo.update import completion_logprobs
+
+    config = tiny_config(tmp_path, "algorithm.beta=0.04", "model.reference_dtype=bfloat16")
+    trainer = train_module.Trainer(config)
+    params = trainer.initial_params()
+    reference = trainer.reference_params(params)
+    assert jax.tree.structure(reference) == jax.tree.structure(params)
+    rounded = {"embed", "lm_head"} | {n for n in params["layers"] if n.endswith("_kernel")}
+    for path, value in jax.tree_util.tree_leaves_with_path(reference):
+        expected = functools.reduce(lambda tree, key: tree[key.key], path, params)
+        if path[-1].key in rounded:
+            expected = expected.astype(jnp.bfloat16)
+        assert value.dtype == expected.dtype, path
+        np.testing.assert_array_equal(np.asarray(value), np.asarray(expected))
+    assert reference["final_norm"].dtype == jnp.float32
+    groups, _, _ = trainer.collect(params, reference, jax.random.key(1), 0)
+    batch = trainer.to_batch(groups, np.zeros(len(groups.rewards), np.float32))
+    round_embeddings = dict(params, embed=params["embed"].astype(jnp.bfloat16).astype(jnp.float32))
+    scored = {
+        dtype: np.asarray(
+            completion_logprobs(
+                weights,
+                batch,
+                model_config=trainer.model_config,
+                temperature=1.0,
+                chunk_size=4096,
+                shared_prompt_rows=trainer.group_size,
+                matmul_dtype=dtype,
+            )[0]
+        )
+        for dtype, weights in (("float32", params), ("bfloat16", round_embeddings))
+    }
+    frozen = np.asarray(trainer.frozen_logprobs(reference, batch))
+    np.testing.assert_allclose(frozen, scored["bfloat16"], rtol=1e-6, atol=1e-6)
+    assert 0 < np.abs(frozen - scored["float32"]).max() < 0.05
+    # Without beta there is no reference; with bf16 parameters it is a plain copy.
+    assert (
+        train_module.Trainer(
+            tiny_config(tmp_path, "model.reference_dtype=bfloat16")
+        ).reference_params(params)
+        is None
+    )
+    config = tiny_config(
+        tmp_path, "algorithm.beta=0.04", "model.dtype=bfloat16", "model.reference_dtype=bfloat16"
+    )
+    trainer = train_module.Trainer(config)
+    params = trainer.initial_params()
+    reference = trainer.reference_params(params)
+    assert jax.tree.structure(reference) == jax.tree.structure(params)
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(reference))
 
 
 def test_completion_widths_are_rounded_fractions_of_the_limit():

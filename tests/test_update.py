@@ -19,7 +19,7 @@ from jgrpo.update import (
     train_step,
 )
 from models.config import preset
-from models.transformer import Transformer
+from models.transformer import Transformer, with_rounded_weights
 
 CONFIG = preset("tiny")
 PROMPTS, GENERATIONS, PROMPT_LENGTH, NEW_TOKENS = 2, 4, 6, 5
@@ -166,6 +166,30 @@ def test_kl_to_the_reference(params):
     assert kl[1, 0] > 0  # after one step it has moved away
     with pytest.raises(ValueError, match=r"beta=0.1 > 0 needs ref_params"):
         step(params, batch, beta=0.1)
+
+
+def test_a_bf16_reference_moves_only_the_kl_term(params):
+    """ref_params with bf16 weight matrices and embeddings (`with_rounded_weights`, what
+    model.reference_dtype=bfloat16 stores): the reference log-probs move by bf16 rounding, so
+    the KL at the start is small but no longer 0, and the update moves by beta x that, far
+    below the policy term's size. SGD steps, so the parameter change is the gradient."""
+    batch, _ = rollout_batch(params)
+    rounded = with_rounded_weights(params, jnp.bfloat16)
+    moved = {}
+    for name, ref in (("f32", params), ("bf16", rounded)):
+        state, metrics = step(params, batch, ref, optax.sgd(1.0), beta=0.1)
+        moved[name] = jax.tree.map(lambda new, old: new - old, state.params, params)
+        kl = np.asarray(metrics["kl_mean"]).item()
+        if name == "f32":
+            assert kl == 0.0  # identical log-probs: k3 is exactly 0
+        else:
+            assert 0.0 < kl < 1e-5  # k3 ~ (rounding gap)^2 / 2; measured 1.5e-7
+    gaps = jax.tree.map(  # the largest difference over the leaf's largest change
+        lambda low, full: float(jnp.abs(low - full).max() / jnp.abs(full).max()),
+        moved["bf16"],
+        moved["f32"],
+    )
+    assert all(0 < gap < 1e-3 for gap in jax.tree.leaves(gaps)), gaps  # measured <= 1.0e-4
 
 
 def test_bf16_matmuls_stay_close_to_f32(params):

@@ -82,9 +82,10 @@ def save_checkpoint(family: str, directory: pathlib.Path, *, with_tokenizer=Fals
     return model
 
 
-def save_char_checkpoint(directory: pathlib.Path) -> pathlib.Path:
+def save_char_checkpoint(directory: pathlib.Path, *, tied: bool = False) -> pathlib.Path:
     """A tiny random jgrpo model saved in HF format with a character tokenizer that has a chat
-    template: what a real instruct checkpoint offers, loadable through `model.path=`."""
+    template: what a real instruct checkpoint offers, loadable through `model.path=`;
+    `tied`: with tied input and output embeddings (as the small Qwen and Llama 3.2 have)."""
     from flax import nnx
 
     import models
@@ -96,6 +97,7 @@ def save_char_checkpoint(directory: pathlib.Path) -> pathlib.Path:
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=tied,
     )
     models.save_pretrained(models.Transformer(config, rngs=nnx.Rngs(0)), directory)
     tokenizer.save_pretrained(directory)
