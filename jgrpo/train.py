@@ -720,12 +720,6 @@ class Trainer:
         """The policy's parameters, in their shards (where `load_policy` put them)."""
         return jax.device_put(self.model.params(), self.param_shardings)  # a no-op check
 
-    @property
-    def bf16_reference(self) -> bool:
-        """Whether the reference rounds f32 weight matrices to bf16 (model.reference_dtype)."""
-        model = self.config.model
-        return model.reference_dtype == "bfloat16" and model.dtype == "float32"
-
     def reference_params(self, params: dict) -> dict | None:
         """The frozen reference of the KL penalty, from the initial `params` (None when beta
         is 0): a copy, or with model.reference_dtype=bfloat16 the parameters with their
@@ -734,7 +728,8 @@ class Trainer:
         operands with f32 sums). A copy either way: the update donates the state's buffers."""
         if self.config.algorithm.beta <= 0:
             return None
-        if not self.bf16_reference:
+        model = self.config.model
+        if model.reference_dtype == "float32" or model.dtype == "bfloat16":  # already as asked
             return jax.tree.map(jnp.copy, params)
         rounded = with_rounded_weights(params, jnp.bfloat16)  # new bf16 leaves, the rest shared
         return jax.tree.map(lambda x: x if x.dtype == jnp.bfloat16 else jnp.copy(x), rounded)
