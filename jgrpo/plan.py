@@ -115,12 +115,13 @@ class MemoryPlan:
                     "with algorithm.pack_completions=false"
                 )
             best = self.largest_fitting(budget)
+            reference = "model.reference_dtype=bfloat16, " if self.reference else ""
             lines.append(
                 f"  largest micro-batch that fits: {best} rows"
                 if best
                 else "  no micro-batch fits: shard further (mesh.fsdp, mesh.tensor), use "
-                "model.dtype=bfloat16, model.remat=true, model.keep_logits_mib=0, or shorter "
-                "rollout lengths"
+                f"model.dtype=bfloat16, {reference}model.remat=true, model.keep_logits_mib=0, "
+                "or shorter rollout lengths"
             )
         return "\n".join(lines)
 

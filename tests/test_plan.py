@@ -1,5 +1,7 @@
 """Memory planning from the compiled programs, and the start-up check of the training loop."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -58,6 +60,10 @@ def test_plan_sizes_each_part_per_device():
     assert plan.largest_fitting(smaller_peak - 1) is None
     report = plan.report(budget)
     assert f"largest micro-batch that fits: {leaner} rows" in report and "fsdp=8" in report
+    advice = plan.report(smaller_peak - 1).splitlines()[-1]
+    assert advice.startswith("  no micro-batch fits") and "model.reference_dtype=bfloat16" in advice
+    no_reference = dataclasses.replace(plan, reference=0).report(smaller_peak - 1)
+    assert "reference_dtype" not in no_reference  # beta = 0: no reference to round
 
 
 FEW = ["rollout.prompts_per_step=2", "rollout.num_generations=2", "mesh.devices=1"]
