@@ -261,7 +261,7 @@ def test_parameters_and_optimizer_state_are_sharded_not_replicated(shape):
 def test_training_on_a_mesh_matches_one_device_and_keeps_the_placement(tmp_path):
     """Two GRPO steps (with a reference model, beta > 0) on a fsdp=4 x tensor=2 mesh: the
     same rewards and nearly the same parameters as on one device; parameters, Adam's moments
-    and the reference placed by the rules."""
+    and the reference (a bf16 one too) placed by the rules."""
     from jgrpo.config import load_config
     from jgrpo.train import Trainer, train
 
@@ -310,8 +310,20 @@ def test_training_on_a_mesh_matches_one_device_and_keeps_the_placement(tmp_path)
     jax.tree.map(_assert_placed, sharded.params, expected)
     adam = [s for s in jax.tree.leaves(sharded.opt_state) if getattr(s, "ndim", 0) >= 2]
     assert adam and all(np.prod(a.sharding.shard_shape(a.shape)) < np.prod(a.shape) for a in adam)
-    ref = trainer.initial_params()
-    jax.tree.map(_assert_placed, ref, expected)
+    jax.tree.map(_assert_placed, trainer.reference_params(trainer.initial_params()), expected)
+    # A bf16 reference (model.reference_dtype) is split as the parameters it rounds, and the
+    # update on the mesh takes it: one step, the KL above 0 by the rounding alone.
+    bf16_trainer = Trainer(
+        load_config(
+            None, [*common, "mesh.fsdp=4", "mesh.tensor=2", "model.reference_dtype=bfloat16"]
+        )
+    )
+    params = bf16_trainer.initial_params()
+    rounded = bf16_trainer.reference_params(params)
+    assert rounded["embed"].dtype == jnp.bfloat16
+    jax.tree.map(_assert_placed, rounded, expected)
+    _, metrics, _ = bf16_trainer.step(bf16_trainer.initial_state(params), rounded, 0, 0)
+    assert 0 < metrics["kl"] < 1e-4
 
     # The one-device run resumes on the 4 x 2 mesh: its checkpoint restores into the shards.
     resumed = train(
