@@ -37,6 +37,12 @@ class ConfigError(ValueError):
     """A config that cannot run; the message names the field and the fix."""
 
 
+def check_dtype(field: str, value: str) -> None:
+    """A dtype option: float32 or bfloat16."""
+    if value not in ("float32", "bfloat16"):
+        raise ConfigError(f"{field} must be 'float32' or 'bfloat16', got {value!r}.")
+
+
 def option(default: Any, help: str) -> Any:  # noqa: A002 (the natural name for a CLI)
     """A dataclass field with its one-line description."""
     return dataclasses.field(default=default, metadata={"help": help})
@@ -68,21 +74,12 @@ class ModelSection:
     )
 
     def check(self):
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ConfigError(f"model.dtype must be 'float32' or 'bfloat16', got {self.dtype!r}.")
+        for name in ("dtype", "matmul_dtype", "reference_dtype"):
+            check_dtype(f"model.{name}", getattr(self, name))
         if not self.keep_logits_mib >= 0:
             raise ConfigError(
                 f"model.keep_logits_mib must be >= 0 (0: recompute the logits in the backward "
                 f"pass), got {self.keep_logits_mib}."
-            )
-        if self.matmul_dtype not in ("float32", "bfloat16"):
-            raise ConfigError(
-                f"model.matmul_dtype must be 'float32' or 'bfloat16', got {self.matmul_dtype!r}."
-            )
-        if self.reference_dtype not in ("float32", "bfloat16"):
-            raise ConfigError(
-                f"model.reference_dtype must be 'float32' or 'bfloat16', got "
-                f"{self.reference_dtype!r}."
             )
 
 
@@ -109,11 +106,7 @@ class RolloutSection:
     )
 
     def check(self):
-        if self.weights_dtype not in ("float32", "bfloat16"):
-            raise ConfigError(
-                f"rollout.weights_dtype must be 'float32' or 'bfloat16', got "
-                f"{self.weights_dtype!r}."
-            )
+        check_dtype("rollout.weights_dtype", self.weights_dtype)
         if self.num_generations < 2:
             raise ConfigError(
                 f"rollout.num_generations must be >= 2 (a group needs two completions to "
@@ -316,10 +309,7 @@ class RewardModelSection:
     shift: float = option(0.0, "added after scale")
 
     def check(self):
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ConfigError(
-                f"reward_model.dtype must be 'float32' or 'bfloat16', got {self.dtype!r}."
-            )
+        check_dtype("reward_model.dtype", self.dtype)
         if self.batch_size < 1 or self.max_length < 1:
             raise ConfigError(
                 "reward_model.batch_size and reward_model.max_length must be >= 1; got "

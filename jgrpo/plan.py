@@ -148,6 +148,7 @@ def plan_memory(trainer, micro_batch_candidates: Sequence[int] = ()) -> MemoryPl
     c, mc, mesh = trainer.config, trainer.model_config, trainer.mesh
     state, batch, reference = trainer.update_arguments()
     params, opt_state = state.params, state.opt_state
+    frozen = trainer.reference_arguments()  # also with kl_in_reward, where the update has none
     prompts, length = c.rollout.prompts_per_step, trainer.prompt_widths["train"]
     rows, new_tokens = prompts * c.rollout.num_generations, c.rollout.max_new_tokens
 
@@ -176,7 +177,7 @@ def plan_memory(trainer, micro_batch_candidates: Sequence[int] = ()) -> MemoryPl
         mesh=dict(mesh.shape),
         parameters=shard_bytes(params),
         optimizer=shard_bytes(opt_state),
-        reference=shard_bytes(reference) if reference is not None else 0,
+        reference=shard_bytes(frozen) if frozen is not None else 0,
         kv_cache=kv_cache,
         rollout_scratch=rollout_memory.temp_size_in_bytes,
         update_scratch=update_scratch(trainer.update_config),

@@ -620,11 +620,7 @@ class Trainer:
             jax.eval_shape(self.optimizer.init, params), self.state_shardings.opt_state
         )
         step = jax.ShapeDtypeStruct((), jnp.int32, sharding=self.state_shardings.step)
-        reference = None
-        if self.update_config.beta > 0:
-            reference = abstract_arrays(
-                jax.eval_shape(self.reference_params, params), self.param_shardings
-            )
+        reference = self.reference_arguments() if self.update_config.beta > 0 else None
         batch = self.batch_arguments(width, packed_rows)
         return TrainState(params, opt_state, step), batch, reference
 
@@ -733,6 +729,14 @@ class Trainer:
             return jax.tree.map(jnp.copy, params)
         rounded = with_rounded_weights(params, jnp.bfloat16)  # new bf16 leaves, the rest shared
         return jax.tree.map(lambda x: x if x.dtype == jnp.bfloat16 else jnp.copy(x), rounded)
+
+    def reference_arguments(self) -> dict | None:
+        """`reference_params`' result as ShapeDtypeStructs in the parameters' shardings
+        (None when beta is 0; the reference exists with `kl_in_reward` too, which the update
+        does not take)."""
+        params = abstract_arrays(jax.eval_shape(self.model.params), self.param_shardings)
+        reference = jax.eval_shape(self.reference_params, params)
+        return None if reference is None else abstract_arrays(reference, self.param_shardings)
 
     def initial_state(self, params: dict) -> TrainState:
         """Step 0 with the optimizer state created directly in its shards."""

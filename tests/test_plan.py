@@ -122,9 +122,8 @@ def test_a_bf16_reference_is_planned_and_placed_at_its_rounded_size(tmp_path):
     params = trainer.initial_params()
     reference = trainer.reference_params(params)
     assert "lm_head" not in reference and reference["embed"].dtype == jnp.bfloat16
-    jax.tree.map(
-        lambda x, y: x.sharding.is_equivalent_to(y.sharding, x.ndim) or 1 / 0, reference, params
-    )
+    for rounded, param in zip(jax.tree.leaves(reference), jax.tree.leaves(params), strict=True):
+        assert rounded.sharding.is_equivalent_to(param.sharding, param.ndim)
     f32 = sum(x.size * 4 for x in jax.tree.leaves(params))
     matrices = params["embed"].size + sum(
         x.size for name, x in params["layers"].items() if name.endswith("_kernel")
@@ -133,3 +132,12 @@ def test_a_bf16_reference_is_planned_and_placed_at_its_rounded_size(tmp_path):
     assert sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(reference)) == expected
     plan = plan_memory(trainer)
     assert plan.reference == expected // 8  # every leaf has an embed dimension: fsdp splits it
+
+
+def test_the_reference_of_kl_in_reward_is_planned():
+    """algorithm.kl_in_reward=true: the update takes no reference (its beta is 0), but the
+    frozen copy still lives beside the policy to score the rewards' KL, so the plan counts it."""
+    trainer = Trainer(load_config(None, [*SMALL, *FEW, "algorithm.kl_in_reward=true"]))
+    assert trainer.update_config.beta == 0 and trainer.update_arguments()[2] is None
+    plan = plan_memory(trainer)
+    assert plan.reference == plan.parameters > 0
