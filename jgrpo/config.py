@@ -58,8 +58,9 @@ class ModelSection:
     remat: bool = option(False, "recompute each layer in the backward pass (less memory)")
     keep_logits_mib: float = option(
         KEEP_LOGITS_MIB,
-        "the update keeps a micro-batch's log-prob logits (tokens x vocabulary x 4 bytes) for "
-        "the backward pass up to this many MiB, else recomputes them (0: always recompute)",
+        "the update keeps a micro-batch's log-prob logits (tokens x vocabulary x 4 bytes, "
+        "divided by the devices its rows are split over) for the backward pass up to this many "
+        "MiB per device, else recomputes them (0: always recompute)",
     )
     matmul_dtype: str = option(
         "float32",

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import NamedTuple
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
@@ -28,6 +30,7 @@ from jgrpo.losses import (
     grpo_loss,
     sampler_weights,
 )
+from jgrpo.sharding import shard_count
 from models.config import ModelConfig
 from models.group_forward import (
     PackedCompletions,
@@ -36,7 +39,7 @@ from models.group_forward import (
 )
 from models.transformer import forward, unembedding, with_matmul_weights
 
-# MiB of f32 log-prob logits the update keeps for its backward pass (`keeps_logits`).
+# MiB of f32 log-prob logits per device the update keeps for its backward pass (`keeps_logits`).
 KEEP_LOGITS_MIB = 512.0
 
 
@@ -68,7 +71,7 @@ class UpdateConfig:
     ratio_level: str = "token"
     temperature: float = 1.0  # must equal the sampling temperature
     logprob_chunk_size: int = 4096
-    keep_logits_mib: float = KEEP_LOGITS_MIB  # MiB of logits kept for the backward pass
+    keep_logits_mib: float = KEEP_LOGITS_MIB  # MiB of logits per device kept for the backward
     shared_prompt_rows: int = 1  # G: rows that repeat one prompt; 1 = every row in full
     matmul_dtype: str = "float32"  # "bfloat16": bf16 products, f32 sums (completion_logprobs)
     max_completion_length: int | None = None  # dr_grpo's divisor; None = the batch's width
@@ -205,8 +208,9 @@ def completion_logprobs(
 ) -> tuple[jax.Array, jax.Array]:  # (f32[B, N], f32[B, N])
     """Log-prob and entropy of every completion token under `params` (no [B, T, V] logits).
 
-    Differentiated, the log-prob head keeps its f32 logits for the backward pass when they
-    take at most `keep_logits_mib` MiB (`keeps_logits`), and recomputes them chunk by chunk
+    Differentiated, the log-prob head keeps its f32 logits for the backward pass when one
+    device's share of them takes at most `keep_logits_mib` MiB (`keeps_logits`; traced under
+    a mesh, the rows split over the batch's devices), and recomputes them chunk by chunk
     otherwise (`jgrpo.chunked_token_logprobs`), with the same results to float rounding.
 
     `shared_prompt_rows` = G > 1 promises that each G consecutive rows repeat one prompt;
@@ -232,7 +236,9 @@ def completion_logprobs(
             targets,
             temperature=temperature,
             chunk_size=chunk_size,
-            keep_logits=keeps_logits(targets.size, table.shape[1], keep_logits_mib),
+            keep_logits=keeps_logits(
+                targets.size, table.shape[1], keep_logits_mib, batch_shards(targets.shape[0])
+            ),
         )
 
     completion_length = batch.completion_mask.shape[1]
@@ -273,10 +279,20 @@ def completion_logprobs(
     return head(predicting, batch.input_ids[:, -completion_length:])
 
 
-def keeps_logits(tokens: int, vocab: int, budget_mib: float) -> bool:
-    """Whether the f32 logits of `tokens` positions over `vocab` fit in `budget_mib` MiB
-    (the whole micro-batch's, before any sharding)."""
-    return tokens * vocab * 4 <= budget_mib * 2**20
+def keeps_logits(tokens: int, vocab: int, budget_mib: float, shards: int = 1) -> bool:
+    """Whether one device's share of the f32 logits of `tokens` positions over `vocab` fits in
+    `budget_mib` MiB, the positions split over `shards` devices (`batch_shards`)."""
+    return math.ceil(tokens / shards) * vocab * 4 <= budget_mib * 2**20
+
+
+def batch_shards(rows: int) -> int:
+    """Over how many devices the mesh being traced under splits `rows` rows of a batch (1
+    outside a mesh): the kept log-prob logits are split with their rows, so each device
+    holds that share of them (the vocabulary's split over `tensor` does not reach them)."""
+    mesh, rules = jax.sharding.get_abstract_mesh(), nn.get_logical_axis_rules()
+    if mesh.empty or not rules:
+        return 1
+    return shard_count((rows,), ("batch",), mesh, rules)
 
 
 def _split(tree, parts: int):

@@ -224,6 +224,54 @@ def test_bf16_matmul_update_on_a_mesh_equals_one_device(shape):
     assert np.abs(one_device[0]["layers"]["up_kernel"] - f32_update).max() > 1e-6  # bf16 ran
 
 
+def test_kept_logits_are_budgeted_per_device():
+    """keep_logits_mib budgets one device's share of the log-prob logits: on a mesh their rows
+    split over data x fsdp, so a budget below the whole micro-batch's logits but above one
+    device's share keeps them there and recomputes them on one device. The kept logits take
+    their share of each device's temporary memory (compiled memory analysis)."""
+    config = models.preset("tiny").replace(vocab_size=4096)
+    params = models.Transformer(config, rngs=nnx.Rngs(0)).params()
+    rows, prompt_length, new_tokens = 16, 8, 64
+    ids = np.random.default_rng(0).integers(3, 4096, (rows, prompt_length + new_tokens))
+    batch = Batch(
+        input_ids=jnp.asarray(ids, jnp.int32),
+        attention_mask=jnp.ones(ids.shape, jnp.int32),
+        completion_mask=jnp.ones((rows, new_tokens), jnp.float32),
+        advantages=jnp.zeros((rows,), jnp.float32),
+    )
+    logits_mib = rows * new_tokens * 4096 * 4 / 2**20  # 16 MiB for the micro-batch
+
+    def temp_mib(budget_mib, mesh=None):
+        def loss(params, batch):
+            logprobs, _ = completion_logprobs(
+                params,
+                batch,
+                model_config=config,
+                temperature=1.0,
+                chunk_size=1024,
+                keep_logits_mib=budget_mib,
+            )
+            return logprobs.sum()
+
+        program = jax.jit(jax.grad(loss))
+        if mesh is None:
+            compiled = program.lower(params, batch).compile()
+        else:
+            with rules_context(mesh):
+                row_split = tree_shardings(batch, Batch(*[("batch", None)] * 3, ("batch",)), mesh)
+                compiled = program.lower(params, jax.device_put(batch, row_split)).compile()
+        return compiled.memory_analysis().temp_size_in_bytes / 2**20
+
+    mesh = make_mesh((2, 2, 2))  # the rows split over data x fsdp = 4 devices: 4 MiB each
+    between = logits_mib / 2
+    on_mesh = {budget: temp_mib(budget, mesh) for budget in (0, between, 2 * logits_mib)}
+    assert on_mesh[between] == on_mesh[2 * logits_mib]  # kept
+    assert on_mesh[between] - on_mesh[0] == pytest.approx(logits_mib / 4, rel=0.05)
+    one_device = {budget: temp_mib(budget) for budget in (0, between, 2 * logits_mib)}
+    assert one_device[between] == one_device[0]  # recomputed
+    assert one_device[2 * logits_mib] - one_device[0] == pytest.approx(logits_mib, rel=0.05)
+
+
 def check_update_close(got, expected, initial):
     update_norm = np.linalg.norm(np.asarray(expected) - initial)
     assert np.linalg.norm(np.asarray(got) - np.asarray(expected)) <= 2**-8 * update_norm
