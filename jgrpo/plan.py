@@ -56,6 +56,8 @@ class MemoryPlan:
     fits: dict[int, int] = dataclasses.field(default_factory=dict)  # micro rows -> peak
     # micro-batches that would split groups, so run unpacked (algorithm.pack_completions)
     unplanned: list[int] = dataclasses.field(default_factory=list)
+    # settings that would save memory and are not set yet (`memory_knobs`)
+    knobs: tuple[str, ...] = ()
 
     @property
     def resident(self) -> int:
@@ -115,15 +117,33 @@ class MemoryPlan:
                     "with algorithm.pack_completions=false"
                 )
             best = self.largest_fitting(budget)
-            reference = "model.reference_dtype=bfloat16, " if self.reference else ""
+            shorter = (
+                f", use {', '.join(self.knobs)}, or shorter rollout lengths"
+                if self.knobs
+                else " or use shorter rollout lengths"
+            )
             lines.append(
                 f"  largest micro-batch that fits: {best} rows"
                 if best
-                else "  no micro-batch fits: shard further (mesh.fsdp, mesh.tensor), use "
-                f"model.dtype=bfloat16, {reference}model.remat=true, model.keep_logits_mib=0, "
-                "or shorter rollout lengths"
+                else f"  no micro-batch fits: shard further (mesh.fsdp, mesh.tensor){shorter}"
             )
         return "\n".join(lines)
+
+
+def memory_knobs(config) -> tuple[str, ...]:
+    """The memory-saving settings a run could still take: each one not already set."""
+    model = config.model
+    knobs = []
+    if model.dtype != "bfloat16":
+        knobs.append("model.dtype=bfloat16")
+        # a bf16 model's reference is a bf16 copy already
+        if config.algorithm.beta > 0 and model.reference_dtype != "bfloat16":
+            knobs.append("model.reference_dtype=bfloat16")
+    if not model.remat:
+        knobs.append("model.remat=true")
+    if model.keep_logits_mib > 0:
+        knobs.append("model.keep_logits_mib=0")
+    return tuple(knobs)
 
 
 def _gib(nbytes: int) -> str:
@@ -185,6 +205,7 @@ def plan_memory(trainer, micro_batch_candidates: Sequence[int] = ()) -> MemoryPl
         micro_batch_rows=micro_rows,
         reward_model=reward_params,
         reward_scratch=reward_scratch,
+        knobs=memory_knobs(c),
     )
     plan.fits[micro_rows] = plan.update_peak
     for candidate in micro_batch_candidates:

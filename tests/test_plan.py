@@ -61,9 +61,41 @@ def test_plan_sizes_each_part_per_device():
     report = plan.report(budget)
     assert f"largest micro-batch that fits: {leaner} rows" in report and "fsdp=8" in report
     advice = plan.report(smaller_peak - 1).splitlines()[-1]
-    assert advice.startswith("  no micro-batch fits") and "model.reference_dtype=bfloat16" in advice
-    no_reference = dataclasses.replace(plan, reference=0).report(smaller_peak - 1)
-    assert "reference_dtype" not in no_reference  # beta = 0: no reference to round
+    assert advice == (
+        "  no micro-batch fits: shard further (mesh.fsdp, mesh.tensor), use model.dtype=bfloat16, "
+        "model.reference_dtype=bfloat16, model.remat=true, model.keep_logits_mib=0, or shorter "
+        "rollout lengths"
+    )
+    nothing_left = dataclasses.replace(plan, knobs=()).report(smaller_peak - 1)
+    assert nothing_left.endswith(
+        "no micro-batch fits: shard further (mesh.fsdp, mesh.tensor) or use shorter rollout lengths"
+    )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (
+            ["algorithm.beta=0.04"],
+            "model.dtype=bfloat16 model.reference_dtype=bfloat16 model.remat=true "
+            "model.keep_logits_mib=0",
+        ),
+        ([], "model.dtype=bfloat16 model.remat=true model.keep_logits_mib=0"),  # no reference
+        (
+            ["algorithm.beta=0.04", "model.reference_dtype=bfloat16", "model.remat=true"],
+            "model.dtype=bfloat16 model.keep_logits_mib=0",
+        ),
+        # a bf16 model's reference is already bf16
+        (
+            ["algorithm.beta=0.04", "model.dtype=bfloat16", "model.keep_logits_mib=0"],
+            "model.remat=true",
+        ),
+        (["model.dtype=bfloat16", "model.remat=true", "model.keep_logits_mib=0"], ""),
+    ],
+)
+def test_the_advice_names_only_settings_not_taken(overrides, expected):
+    knobs = plan_module.memory_knobs(load_config(None, ["algorithm.beta=0", *overrides]))
+    assert " ".join(knobs) == expected
 
 
 FEW = ["rollout.prompts_per_step=2", "rollout.num_generations=2", "mesh.devices=1"]
