@@ -288,7 +288,9 @@ def keeps_logits(tokens: int, vocab: int, budget_mib: float, shards: int = 1) ->
 def batch_shards(rows: int) -> int:
     """Over how many devices the mesh being traced under splits `rows` rows of a batch (1
     outside a mesh): the kept log-prob logits are split with their rows, so each device
-    holds that share of them (the vocabulary's split over `tensor` does not reach them)."""
+    holds at most that share of them. (A table split over `tensor` by the rules splits them
+    over its vocabulary too; the budget leaves that to spare, since it depends on how the
+    table was placed and on the chunk size.)"""
     mesh, rules = jax.sharding.get_abstract_mesh(), nn.get_logical_axis_rules()
     if mesh.empty or not rules:
         return 1
