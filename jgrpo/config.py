@@ -144,10 +144,10 @@ class AlgorithmSection:
     kl_in_reward: bool = option(False, "subtract beta x sequence KL from the reward, not the loss")
     ratio_level: str = option("token", "importance ratio per token, or per sequence (GSPO)")
     sampler_correction: str = option(
-        "none",
+        "auto",
         "weight each token's loss by pi / pi_sampler per token or sequence, bounded to "
-        "[floor, cap], for a sampler that differs from the policy "
-        "(rollout.weights_dtype=bfloat16); none = off",
+        "[floor, cap], for a sampler that differs from the policy; none = off; auto = token "
+        "when rollout.weights_dtype=bfloat16 (a rounded sampler), else none",
     )
     sampler_correction_cap: float = option(2.0, "the sampler correction's largest weight")
     sampler_correction_mode: str = option(
@@ -187,7 +187,7 @@ class AlgorithmSection:
             "loss_type": LOSS_TYPES,
             "kl_estimator": KL_ESTIMATORS,
             "ratio_level": RATIO_LEVELS,
-            "sampler_correction": ("none", *SAMPLER_CORRECTION_LEVELS),
+            "sampler_correction": ("auto", "none", *SAMPLER_CORRECTION_LEVELS),
             "sampler_correction_mode": SAMPLER_CORRECTION_MODES,
             "std_ddof": STD_DDOFS,
         }
@@ -485,6 +485,17 @@ class Config:
                 "equal parts; change one of them."
             )
         return self
+
+    @property
+    def sampler_correction(self) -> str:
+        """algorithm.sampler_correction with `auto` resolved: `token` when the rollout samples
+        with bf16 weight matrices (the sampler is then not the policy being trained, as with
+        TRL's vLLM sampling, which it corrects by default), `none` when it samples from the
+        f32 parameters themselves."""
+        chosen = self.algorithm.sampler_correction
+        if chosen != "auto":
+            return chosen
+        return "token" if self.rollout.weights_dtype == "bfloat16" else "none"
 
 
 _SECTIONS = {

@@ -293,7 +293,7 @@ def update_config_of(config: Config, *, beta_in_loss: float, batch_shards: int =
         keep_logits_mib=config.model.keep_logits_mib,
         # dr_grpo divides by the length limit, not by a trimmed batch's width
         max_completion_length=config.rollout.max_new_tokens,
-        sampler_correction=algo.sampler_correction,
+        sampler_correction=config.sampler_correction,
         sampler_correction_cap=algo.sampler_correction_cap,
         sampler_correction_mode=algo.sampler_correction_mode,
         sampler_correction_floor=algo.sampler_correction_floor,

@@ -72,7 +72,7 @@ def test_round_trip_through_yaml(tmp_path):
         (["model.keep_logits_mib=-1"], r"model\.keep_logits_mib must be >= 0 \(0: recompute"),
         (
             ["algorithm.sampler_correction=tis"],
-            r"algorithm\.sampler_correction must be one of 'none', 'token', 'sequence'",
+            r"algorithm\.sampler_correction must be one of 'auto', 'none', 'token', 'sequence'",
         ),
         (
             ["algorithm.sampler_correction_cap=0.9"],

@@ -817,6 +817,23 @@ def test_the_sampler_corrections_bounds_reach_the_update():
     assert (default.sampler_correction_mode, default.sampler_correction_floor) == ("truncate", 0)
 
 
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ([], "none"),  # auto: the sampler is the f32 policy itself
+        (["rollout.weights_dtype=bfloat16"], "token"),  # auto: a rounded sampler, corrected
+        (["rollout.weights_dtype=bfloat16", "algorithm.sampler_correction=none"], "none"),
+        (["algorithm.sampler_correction=sequence"], "sequence"),
+    ],
+)
+def test_the_sampler_correction_defaults_on_for_bf16_sampling(overrides, expected):
+    """algorithm.sampler_correction=auto (the default) corrects a bf16 sampler, as TRL
+    corrects its vLLM samples by default, and leaves an f32 one alone."""
+    config = load_config(None, overrides)
+    assert config.sampler_correction == expected
+    assert train_module.update_config_of(config, beta_in_loss=0.0).sampler_correction == expected
+
+
 def test_the_logits_budget_reaches_the_update():
     config = load_config(None, ["model.keep_logits_mib=0"])
     assert train_module.update_config_of(config, beta_in_loss=0.0).keep_logits_mib == 0
