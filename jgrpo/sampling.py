@@ -19,11 +19,10 @@ import functools
 import math
 from typing import NamedTuple
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jgrpo.sharding import shard_count
+from jgrpo.sharding import traced_shard_count
 from models.config import ModelConfig
 from models.group_decode import (
     cache_bytes_per_slot,
@@ -196,10 +195,7 @@ def kv_cache_bytes(rows: int, slots: int, config: ModelConfig, dtype) -> int:
     over `tensor`, where those axes divide them. Used by the rollout (while tracing) and the
     memory plan."""
     total = rows * slots * cache_bytes_per_slot(config, dtype)
-    mesh, rules = jax.sharding.get_abstract_mesh(), nn.get_logical_axis_rules()
-    if mesh.empty or not rules:
-        return total
-    return total // shard_count((rows, config.num_kv_heads), ("batch", "kv_heads"), mesh, rules)
+    return total // traced_shard_count((rows, config.num_kv_heads), ("batch", "kv_heads"))
 
 
 @functools.partial(jax.jit, static_argnames=("model_config", "num_generations", "sampling"))

@@ -117,6 +117,15 @@ def shard_count(shape: Sequence[int], axes: Sequence[str | None], mesh, rules=LO
     return math.prod(mesh.shape[axis] for entry in spec for axis in _mesh_axes(entry))
 
 
+def traced_shard_count(shape: Sequence[int], axes: Sequence[str | None]) -> int:
+    """`shard_count` under the mesh and logical rules being traced under
+    (`rules_context`); 1 outside them."""
+    mesh, rules = jax.sharding.get_abstract_mesh(), nn.get_logical_axis_rules()
+    if mesh.empty or not rules:
+        return 1
+    return shard_count(shape, axes, mesh, rules)
+
+
 def logical_sharding(
     shape: Sequence[int], axes: Sequence[str | None], mesh: Mesh, rules=LOGICAL_RULES
 ) -> NamedSharding:

@@ -18,7 +18,6 @@ import functools
 import math
 from typing import NamedTuple
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
@@ -30,7 +29,7 @@ from jgrpo.losses import (
     grpo_loss,
     sampler_weights,
 )
-from jgrpo.sharding import shard_count
+from jgrpo.sharding import traced_shard_count
 from models.config import ModelConfig
 from models.group_forward import (
     PackedCompletions,
@@ -291,10 +290,7 @@ def batch_shards(rows: int) -> int:
     holds at most that share of them. (A table split over `tensor` by the rules splits them
     over its vocabulary too; the budget leaves that to spare, since it depends on how the
     table was placed and on the chunk size.)"""
-    mesh, rules = jax.sharding.get_abstract_mesh(), nn.get_logical_axis_rules()
-    if mesh.empty or not rules:
-        return 1
-    return shard_count((rows,), ("batch",), mesh, rules)
+    return traced_shard_count((rows,), ("batch",))
 
 
 def _split(tree, parts: int):

@@ -52,10 +52,9 @@ def jgrpo_config(
     reference: str = "float32",
 ):
     """The workload as a jgrpo Config; `overrides` (`key=value`) are applied last. bf16
-    sampling weights come with the sampler correction, as a user would run them."""
+    sampling weights come with the sampler correction (algorithm.sampler_correction's
+    default, `auto`), as a user would run them."""
     from jgrpo.config import load_config
-
-    correction = "none" if sampling_weights == "float32" else "token"
 
     return load_config(
         None,
@@ -75,7 +74,6 @@ def jgrpo_config(
             "task.reward_workers=0",  # a cheap verifier: in-process
             "mesh.devices=1",
             f"rollout.weights_dtype={sampling_weights}",
-            f"algorithm.sampler_correction={correction}",
             f"model.matmul_dtype={matmul}",
             f"model.reference_dtype={reference}",
             *overrides,
