@@ -142,6 +142,11 @@ class AlgorithmSection:
     beta: float = option(0.0, "KL penalty weight; 0 = no reference model is loaded")
     kl_estimator: str = option("k3", "KL estimator: k1, k2 or k3")
     kl_in_reward: bool = option(False, "subtract beta x sequence KL from the reward, not the loss")
+    kl_bias_correction: bool = option(
+        False,
+        "weight the loss's KL term by the ratio pi / pi_old (with its gradient): the unbiased "
+        "reverse-KL gradient (DeepSeek-V3.2; TRL's use_bias_correction_kl, on by default there)",
+    )
     ratio_level: str = option("token", "importance ratio per token, or per sequence (GSPO)")
     sampler_correction: str = option(
         "auto",
@@ -221,6 +226,12 @@ class AlgorithmSection:
             )
         if self.kl_in_reward and self.beta == 0:
             raise ConfigError("algorithm.kl_in_reward needs algorithm.beta > 0 (its weight).")
+        if self.kl_bias_correction and (self.kl_in_reward or self.beta == 0):
+            raise ConfigError(
+                "algorithm.kl_bias_correction weights the KL term in the loss, so it needs "
+                "algorithm.beta > 0 and algorithm.kl_in_reward=false: set those, or "
+                "algorithm.kl_bias_correction=false."
+            )
 
 
 TASKS = ("addition", "json_extraction", "gsm8k", "jsonl", "tfds")

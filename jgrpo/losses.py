@@ -125,6 +125,7 @@ def grpo_loss(
     max_completion_length: int | None = None,
     total_tokens: jax.Array | int | None = None,
     sampler_weights: jax.Array | None = None,  # f32[B, T] from `sampler_weights`
+    kl_bias_correction: bool = False,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Clipped-ratio policy loss with an optional KL penalty; returns (scalar loss, metrics).
 
@@ -136,6 +137,10 @@ def grpo_loss(
 
     KL_t is `token_kl(logprobs, ref_logprobs, kl_estimator=...)`. On-policy (one update per
     rollout) pass `old_logprobs=jax.lax.stop_gradient(logprobs)`, so r = 1 with gradient.
+    `kl_bias_correction=True` weights the penalty by the unclipped ratio, beta * r_t * KL_t,
+    r_t with its gradient: with k3 the KL gradient becomes the unbiased reverse-KL gradient
+    (log(pi / pi_ref) grad log pi per token on-policy, not 1 - pi_ref / pi), as in
+    DeepSeek-V3.2 and TRL's `use_bias_correction_kl`; `kl_mean` stays the unweighted KL_t.
     `sampler_weights` w (no gradient), when given, multiply each token's loss: L_t w_t, the
     correction for tokens drawn by a sampler other than the policy (`sampler_weights`).
 
@@ -195,7 +200,7 @@ def grpo_loss(
     if ref_logprobs is not None:
         kl = token_kl(logprobs, ref_logprobs, kl_estimator=kl_estimator)  # [B, T]
         if beta > 0:
-            per_token = per_token + beta * kl
+            per_token = per_token + beta * (ratio * kl if kl_bias_correction else kl)
     if sampler_weights is not None:
         per_token = per_token * jax.lax.stop_gradient(sampler_weights.astype(jnp.float32))
 

@@ -284,6 +284,7 @@ def update_config_of(config: Config, *, beta_in_loss: float, batch_shards: int =
         clip_eps_high=algo.clip_eps_high,
         beta=beta_in_loss,
         kl_estimator=algo.kl_estimator,
+        kl_bias_correction=algo.kl_bias_correction,
         ratio_level=algo.ratio_level,
         temperature=config.rollout.temperature,
         shared_prompt_rows=shared_prompt_rows(

@@ -67,6 +67,7 @@ class UpdateConfig:
     clip_eps_high: float | None = None
     beta: float = 0.0  # KL penalty in the loss; 0 = no reference model
     kl_estimator: str = "k3"
+    kl_bias_correction: bool = False  # KL term weighted by the ratio (unbiased gradient)
     ratio_level: str = "token"
     temperature: float = 1.0  # must equal the sampling temperature
     logprob_chunk_size: int = 4096
@@ -393,6 +394,7 @@ def train_step(
             clip_eps_high=cfg.clip_eps_high,
             beta=cfg.beta,
             kl_estimator=cfg.kl_estimator,
+            kl_bias_correction=cfg.kl_bias_correction,
             ratio_level=cfg.ratio_level,
             total_tokens=minibatch_tokens,
             max_completion_length=cfg.max_completion_length,

@@ -86,6 +86,19 @@ def test_round_trip_through_yaml(tmp_path):
             ["algorithm.sampler_correction_floor=1.2"],
             r"algorithm\.sampler_correction_floor must be in \[0, 1\]",
         ),
+        (
+            ["algorithm.kl_bias_correction=true"],
+            r"algorithm\.kl_bias_correction weights the KL term in the loss, so it needs "
+            r"algorithm\.beta > 0",
+        ),
+        (
+            [
+                "algorithm.beta=0.04",
+                "algorithm.kl_in_reward=true",
+                "algorithm.kl_bias_correction=true",
+            ],
+            r"algorithm\.kl_in_reward=false: set those, or algorithm\.kl_bias_correction=false",
+        ),
         (["train.profile_steps=-1"], r"train\.profile_steps must be >= 0"),
         (
             ["train.steps=3", "train.profile_steps=2", "train.profile_start=5"],

@@ -25,7 +25,9 @@ def kl_value(logprob, ref, estimator):
     return {"k1": -d, "k2": d * d / 2, "k3": math.exp(d) - d - 1}[estimator]
 
 
-def reference_loss(loss_type, ratio_level, kl_estimator, *, beta, clip_eps_high=0.2):
+def reference_loss(
+    loss_type, ratio_level, kl_estimator, *, beta, clip_eps_high=0.2, kl_bias_correction=False
+):
     """Element by element in plain Python floats."""
     clip_eps = 0.2
     per_token = [[0.0] * 3 for _ in range(2)]
@@ -38,7 +40,8 @@ def reference_loss(loss_type, ratio_level, kl_estimator, *, beta, clip_eps_high=
             a = ADVANTAGES[i]
             clipped = min(max(r, 1 - clip_eps), 1 + clip_eps_high)
             loss = -min(r * a, clipped * a)
-            loss += beta * kl_value(LOGPROBS[i][t], REF[i][t], kl_estimator)
+            kl = kl_value(LOGPROBS[i][t], REF[i][t], kl_estimator)
+            loss += beta * (r * kl if kl_bias_correction else kl)
             per_token[i][t] = loss * MASK[i][t]
     sums = [sum(row) for row in per_token]
     if loss_type == "grpo":
@@ -67,7 +70,8 @@ def arrays():
 )
 def test_every_combination_against_hand_computation(loss_type, ratio_level, kl_estimator):
     logprobs, old, advantages, mask = arrays()
-    for beta, clip_eps_high in [(0.04, None), (0.5, 0.28)]:
+    settings = itertools.product([(0.04, None), (0.5, 0.28)], [False, True])
+    for (beta, clip_eps_high), kl_bias_correction in settings:
         loss, metrics = jgrpo.grpo_loss(
             logprobs,
             old,
@@ -79,9 +83,15 @@ def test_every_combination_against_hand_computation(loss_type, ratio_level, kl_e
             kl_estimator=kl_estimator,
             beta=beta,
             clip_eps_high=clip_eps_high,
+            kl_bias_correction=kl_bias_correction,
         )
         expected = reference_loss(
-            loss_type, ratio_level, kl_estimator, beta=beta, clip_eps_high=clip_eps_high or 0.2
+            loss_type,
+            ratio_level,
+            kl_estimator,
+            beta=beta,
+            clip_eps_high=clip_eps_high or 0.2,
+            kl_bias_correction=kl_bias_correction,
         )
         np.testing.assert_allclose(loss, expected, rtol=1e-6)
         kl_tokens = [
@@ -125,6 +135,35 @@ def test_on_policy_gradient_is_the_policy_gradient():
     grad = jax.grad(loss)(logprobs)
     expected = -np.array(ADVANTAGES)[:, None] * np.array(MASK) / np.array([[2], [3]]) / 2
     np.testing.assert_allclose(grad, expected, rtol=1e-6)
+
+
+def test_kl_bias_correction_gives_the_reverse_kl_gradient_on_policy():
+    """With k3, dL/dlogprob_t is beta (logprob_t - ref_t) / n with the ratio weight and
+    beta (1 - exp(ref_t - logprob_t)) / n without; on-policy the loss values agree (r = 1)."""
+    logprobs, _, _, mask = arrays()
+    ref = jnp.array(REF)
+    no_advantage = jnp.zeros(2)
+
+    def loss(lp, corrected):
+        return jgrpo.grpo_loss(
+            lp,
+            jax.lax.stop_gradient(lp),
+            no_advantage,
+            mask,
+            ref_logprobs=ref,
+            loss_type="bnpo",
+            beta=0.5,
+            kl_bias_correction=corrected,
+        )[0]
+
+    np.testing.assert_allclose(loss(logprobs, True), loss(logprobs, False), rtol=1e-6)
+    lp, rf, m = np.array(LOGPROBS), np.array(REF), np.array(MASK)
+    np.testing.assert_allclose(
+        jax.grad(loss)(logprobs, True), 0.5 * (lp - rf) * m / 5, rtol=1e-5, atol=1e-7
+    )
+    np.testing.assert_allclose(
+        jax.grad(loss)(logprobs, False), 0.5 * (1 - np.exp(rf - lp)) * m / 5, rtol=1e-5, atol=1e-7
+    )
 
 
 @pytest.mark.parametrize("clip_eps_high", [None, 0.28])

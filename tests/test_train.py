@@ -834,6 +834,13 @@ def test_the_sampler_correction_defaults_on_for_bf16_sampling(overrides, expecte
     assert train_module.update_config_of(config, beta_in_loss=0.0).sampler_correction == expected
 
 
+def test_kl_bias_correction_reaches_the_update_config():
+    config = load_config(None, ["algorithm.beta=0.04", "algorithm.kl_bias_correction=true"])
+    assert train_module.update_config_of(config, beta_in_loss=0.04).kl_bias_correction
+    default = train_module.update_config_of(load_config(None, []), beta_in_loss=0.0)
+    assert not default.kl_bias_correction
+
+
 def test_the_logits_budget_reaches_the_update():
     config = load_config(None, ["model.keep_logits_mib=0"])
     assert train_module.update_config_of(config, beta_in_loss=0.0).keep_logits_mib == 0

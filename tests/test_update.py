@@ -168,6 +168,38 @@ def test_kl_to_the_reference(params):
         step(params, batch, beta=0.1)
 
 
+def test_kl_bias_correction_reaches_the_update(params):
+    """With zero advantages the update's gradient is the KL term's alone: beta / n times
+    sum_t c_t grad logprob_t, c_t = logprob_t - ref_t with the ratio weight (the reverse-KL
+    gradient) and 1 - exp(ref_t - logprob_t) without. SGD steps of 1000 x the gradient, so the
+    move reads it above the parameters' f32 rounding."""
+    batch, _ = rollout_batch(params)
+    batch = batch._replace(advantages=jnp.zeros_like(batch.advantages))
+    ref = jax.tree.map(lambda leaf: leaf * 0.9, params)
+    policy, reference = logprobs_under(params, batch), logprobs_under(ref, batch)
+    mask = np.asarray(batch.completion_mask, np.float32)
+    coefficients = {
+        True: policy - reference,
+        False: 1.0 - np.exp(reference - policy),
+    }
+    for corrected, coefficient in coefficients.items():
+        weights = jnp.asarray(0.1 * coefficient * mask / mask.sum())  # [B, N]
+
+        def surrogate(p, weights=weights):
+            logprobs, _ = completion_logprobs(
+                p, batch, model_config=CONFIG, temperature=1.0, chunk_size=64
+            )
+            return (weights * logprobs).sum()
+
+        expected = jax.grad(surrogate)(params)
+        state, _ = step(params, batch, ref, optax.sgd(1e3), beta=0.1, kl_bias_correction=corrected)
+        moved = jax.tree.map(lambda old, new: (old - new) / 1e3, params, state.params)
+        for got, want in zip(jax.tree.leaves(moved), jax.tree.leaves(expected), strict=True):
+            scale = float(jnp.abs(want).max())
+            assert scale > 0
+            np.testing.assert_allclose(got, want, atol=1e-4 * scale)
+
+
 def test_a_bf16_reference_moves_only_the_kl_term(params):
     """ref_params with bf16 weight matrices and embeddings (`with_rounded_weights`, what
     model.reference_dtype=bfloat16 stores): the reference log-probs move by bf16 rounding, so
