@@ -139,6 +139,11 @@ class AlgorithmSection:
     loss_type: str = option("dapo", "aggregation: grpo, bnpo, dapo or dr_grpo")
     clip_eps: float = option(0.2, "PPO clip range below 1")
     clip_eps_high: float | None = option(None, "clip range above 1 (DAPO); None = clip_eps")
+    dual_clip: float | None = option(
+        None,
+        "negative-advantage tokens stop at ratio c (> 1 + clip_eps_high): verl's dual-clip "
+        "clip_ratio_c (3.0 there), TRL's delta; None = off",
+    )
     beta: float = option(0.0, "KL penalty weight; 0 = no reference model is loaded")
     kl_estimator: str = option("k3", "KL estimator: k1, k2 or k3")
     kl_in_reward: bool = option(False, "subtract beta x sequence KL from the reward, not the loss")
@@ -223,6 +228,13 @@ class AlgorithmSection:
                 "algorithm.sampler_correction_floor must be in [0, 1] (0 = no lower bound; "
                 "above 1 it would cut the sampler's own tokens), got "
                 f"{self.sampler_correction_floor}."
+            )
+        high = self.clip_eps if self.clip_eps_high is None else self.clip_eps_high
+        if self.dual_clip is not None and not self.dual_clip > 1 + high:
+            raise ConfigError(
+                f"algorithm.dual_clip must be > 1 + clip_eps_high = {1 + high} (the ratio above "
+                f"which negative-advantage tokens stop), got {self.dual_clip}; set it higher "
+                "(verl uses 3.0) or to null."
             )
         if self.kl_in_reward and self.beta == 0:
             raise ConfigError("algorithm.kl_in_reward needs algorithm.beta > 0 (its weight).")

@@ -119,6 +119,7 @@ def grpo_loss(
     loss_type: str = "grpo",
     clip_eps: float = 0.2,
     clip_eps_high: float | None = None,
+    dual_clip: float | None = None,
     beta: float = 0.04,
     kl_estimator: str = "k3",
     ratio_level: str = "token",
@@ -134,6 +135,10 @@ def grpo_loss(
         ratio_level="token":    r_t = exp(logprobs_t - old_logprobs_t)
         ratio_level="sequence": r_t = exp(masked mean over i of (logprobs - old_logprobs)) (GSPO)
         L_t = -min(r_t A_i, clip(r_t, 1 - clip_eps, 1 + clip_eps_high) A_i) + beta * KL_t
+
+    `dual_clip` c (> 1 + clip_eps_high) bounds the policy term of tokens with A_i < 0 at
+    -c A_i, so a ratio above c gets no gradient (verl's dual-clip `clip_ratio_c`, TRL's
+    `delta`): a token the policy now far prefers no longer pushes the loss without limit.
 
     KL_t is `token_kl(logprobs, ref_logprobs, kl_estimator=...)`. On-policy (one update per
     rollout) pass `old_logprobs=jax.lax.stop_gradient(logprobs)`, so r = 1 with gradient.
@@ -153,8 +158,9 @@ def grpo_loss(
         "dr_grpo": sum(L m) / (B * max_completion_length), max_completion_length default T
 
     Metrics (scalars, no gradient): `clip_frac_low` (tokens with A < 0 and r < 1 - clip_eps),
-    `clip_frac_high` (A > 0 and r > 1 + clip_eps_high), `ratio_mean`, and `kl_mean` when
-    ref_logprobs is given; token averages over the mask.
+    `clip_frac_high` (A > 0 and r > 1 + clip_eps_high), `clip_frac_dual` (A < 0 and r > c)
+    when dual_clip is given, `ratio_mean`, and `kl_mean` when ref_logprobs is given; token
+    averages over the mask.
     """
     check_choice("loss_type", loss_type, LOSS_TYPES)
     check_choice("kl_estimator", kl_estimator, KL_ESTIMATORS)
@@ -181,6 +187,11 @@ def grpo_loss(
         raise ValueError(f"clip_eps_high must be > 0 (None means clip_eps), got {clip_eps_high}.")
     if max_completion_length is not None and max_completion_length < 1:
         raise ValueError(f"max_completion_length must be >= 1, got {max_completion_length}.")
+    if dual_clip is not None and not dual_clip > 1 + clip_eps_high:
+        raise ValueError(
+            f"dual_clip must be > 1 + clip_eps_high = {1 + clip_eps_high} (the ratio above which "
+            f"negative-advantage tokens stop; None = off), got {dual_clip}."
+        )
 
     batch, length = logprobs.shape
     weights = mask.astype(jnp.float32)  # [B, T]
@@ -197,6 +208,8 @@ def grpo_loss(
     adv = advantages.astype(jnp.float32)[:, None]  # [B, 1]
     clipped_ratio = jnp.clip(ratio, 1.0 - clip_eps, 1.0 + clip_eps_high)
     per_token = -jnp.minimum(ratio * adv, clipped_ratio * adv)  # [B, T]
+    if dual_clip is not None:
+        per_token = jnp.where(adv < 0, jnp.minimum(per_token, -dual_clip * adv), per_token)
     if ref_logprobs is not None:
         kl = token_kl(logprobs, ref_logprobs, kl_estimator=kl_estimator)  # [B, T]
         if beta > 0:
@@ -228,6 +241,10 @@ def grpo_loss(
         ),
         "ratio_mean": token_mean(ratio),
     }
+    if dual_clip is not None:
+        metrics["clip_frac_dual"] = token_mean(
+            ((ratio > dual_clip) & (adv < 0)).astype(jnp.float32)
+        )
     if ref_logprobs is not None:
         metrics["kl_mean"] = token_mean(kl)
     return loss, metrics

@@ -51,10 +51,11 @@ def panels(records: Records) -> list[tuple[str, list[str]]]:
         ("entropy", ["entropy"]),
         ("completion length (mean)", ["completion_len/mean"]),
         ("groups with zero reward std (fraction)", ["frac_zero_std"]),
-        ("clipped ratio (fraction)", ["clip_frac/low", "clip_frac/high"]),
+        ("clipped ratio (fraction)", ["clip_frac/low", "clip_frac/high", "clip_frac/dual"]),
     ]
     logged = {key for record in records for key in record}
-    return [(title, keys) for title, keys in candidates if logged.intersection(keys)]
+    shown = [(title, [key for key in keys if key in logged]) for title, keys in candidates]
+    return [(title, keys) for title, keys in shown if keys]
 
 
 def series(records: Records, key: str) -> tuple[np.ndarray, np.ndarray]:

@@ -65,6 +65,7 @@ class UpdateConfig:
     loss_type: str = "dapo"
     clip_eps: float = 0.2
     clip_eps_high: float | None = None
+    dual_clip: float | None = None  # A < 0: the policy term stops at -dual_clip x A
     beta: float = 0.0  # KL penalty in the loss; 0 = no reference model
     kl_estimator: str = "k3"
     kl_bias_correction: bool = False  # KL term weighted by the ratio (unbiased gradient)
@@ -392,6 +393,7 @@ def train_step(
             loss_type=cfg.loss_type,
             clip_eps=cfg.clip_eps,
             clip_eps_high=cfg.clip_eps_high,
+            dual_clip=cfg.dual_clip,
             beta=cfg.beta,
             kl_estimator=cfg.kl_estimator,
             kl_bias_correction=cfg.kl_bias_correction,

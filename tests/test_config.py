@@ -5,7 +5,14 @@ import dataclasses
 import pytest
 import yaml
 
-from jgrpo.config import Config, ConfigError, field_names, format_help, load_config, to_dict
+from jgrpo.config import (
+    Config,
+    ConfigError,
+    field_names,
+    format_help,
+    load_config,
+    to_dict,
+)
 
 
 def write(tmp_path, text):
@@ -98,6 +105,10 @@ def test_round_trip_through_yaml(tmp_path):
                 "algorithm.kl_bias_correction=true",
             ],
             r"algorithm\.kl_in_reward=false: set those, or algorithm\.kl_bias_correction=false",
+        ),
+        (
+            ["algorithm.clip_eps_high=0.28", "algorithm.dual_clip=1.25"],
+            r"algorithm\.dual_clip must be > 1 \+ clip_eps_high = 1\.28 .*verl uses 3\.0",
         ),
         (["train.profile_steps=-1"], r"train\.profile_steps must be >= 0"),
         (

@@ -166,6 +166,64 @@ def test_kl_bias_correction_gives_the_reverse_kl_gradient_on_policy():
     )
 
 
+def test_dual_clip_stops_negative_advantage_tokens_above_c():
+    """A < 0: the token loss is -A max(r, clip(r)) up to c, then -A c with no gradient;
+    A > 0 keeps its clip at 1 + clip_eps_high."""
+    ratios = jnp.array([[4.0, 2.0, 0.5], [4.0, 2.0, 0.5]])
+    advantages = jnp.array([-1.0, 1.0])
+    mask = jnp.ones((2, 3))
+
+    def per_token(lp):  # each token alone in its row, so grpo's mean is the token's loss
+        loss = lambda x: jgrpo.grpo_loss(
+            x.reshape(6, 1),
+            jnp.zeros((6, 1)),
+            jnp.repeat(advantages, 3),
+            mask.reshape(6, 1),
+            beta=0.0,
+            dual_clip=3.0,
+        )
+        return loss(lp)[0] * 6, jax.grad(lambda x: loss(x)[0] * 6)(lp).reshape(2, 3)
+
+    total, grad = per_token(jnp.log(ratios))
+    # row 0 (A=-1): 4 -> 3 (capped), 2 -> 2, 0.5 -> clip 0.8; row 1 (A=1): -1.2, -1.2, -0.5
+    np.testing.assert_allclose(total, 3 + 2 + 0.8 - 1.2 - 1.2 - 0.5, rtol=1e-6)
+    # d(-A r)/dlog r = -A r where unclipped: row 0 token 1 (r=2), row 1 token 2 (r=0.5)
+    np.testing.assert_allclose(grad, [[0.0, 2.0, 0.0], [0.0, 0.0, -0.5]], atol=1e-6)
+    _, metrics = jgrpo.grpo_loss(jnp.log(ratios), jnp.zeros((2, 3)), advantages, mask, beta=0.0)
+    assert "clip_frac_dual" not in metrics
+    _, metrics = jgrpo.grpo_loss(
+        jnp.log(ratios), jnp.zeros((2, 3)), advantages, mask, beta=0.0, dual_clip=3.0
+    )
+    np.testing.assert_allclose(metrics["clip_frac_dual"], 1 / 6)
+
+
+def test_dual_clip_is_trls_delta_and_verls_dual_clip():
+    """The same loss as TRL's two-sided clipping (r capped at delta before the min) and as
+    verl's dual-clip (the A < 0 loss bounded by -A c), written from their formulas."""
+    rng = np.random.default_rng(3)
+    log_ratio = rng.normal(scale=1.0, size=(6, 5))
+    advantages = rng.normal(size=6)
+    r, a, c, low, high = np.exp(log_ratio), advantages[:, None], 2.5, 0.2, 0.28
+    clipped = np.clip(r, 1 - low, 1 + high)
+    trl = -np.minimum(np.minimum(r, c) * a, clipped * a)
+    ppo = -np.minimum(r * a, clipped * a)
+    verl = np.where(a < 0, np.minimum(ppo, -a * c), ppo)
+    np.testing.assert_allclose(trl, verl, rtol=1e-12)
+    loss, _ = jgrpo.grpo_loss(
+        jnp.asarray(log_ratio, jnp.float32),
+        jnp.zeros((6, 5)),
+        jnp.asarray(advantages, jnp.float32),
+        jnp.ones((6, 5)),
+        beta=0.0,
+        loss_type="bnpo",
+        clip_eps=low,
+        clip_eps_high=high,
+        dual_clip=c,
+    )
+    np.testing.assert_allclose(loss, trl.mean(), rtol=1e-5)
+    assert np.any((r > c) & (a < 0)) and not np.isclose(trl.mean(), ppo.mean())
+
+
 @pytest.mark.parametrize("clip_eps_high", [None, 0.28])
 def test_clipped_tokens_get_zero_gradient(clip_eps_high):
     high = 0.2 if clip_eps_high is None else clip_eps_high
@@ -285,6 +343,7 @@ def test_total_tokens_may_be_a_traced_array():
         (dict(beta=-0.1), "beta must be >= 0"),
         (dict(clip_eps=0.0), r"clip_eps must be in \(0, 1\)"),
         (dict(clip_eps_high=-0.1), "clip_eps_high must be > 0"),
+        (dict(dual_clip=1.2), r"dual_clip must be > 1 \+ clip_eps_high = 1.2"),
         (
             dict(old_logprobs=jnp.zeros((2, 4))),
             r"old_logprobs must have the same shape as logprobs",

@@ -69,11 +69,12 @@ def test_plot_metrics_takes_records_and_writes_a_png(tmp_path):
 def test_panels_follow_the_logged_keys():
     records = [
         {"step": 1, "reward/mean": 0.5, "reward/std": 0.1, "reward/b/mean": 1}
-        | {"reward/a/mean": 0, "reward/a/std": 0}
+        | {"reward/a/mean": 0, "reward/a/std": 0, "clip_frac/low": 0, "clip_frac/dual": 0}
     ]
     assert panels(records) == [
         ("reward", ["reward/mean"]),
         ("reward per function", ["reward/a/mean", "reward/b/mean"]),
+        ("clipped ratio (fraction)", ["clip_frac/low", "clip_frac/dual"]),
     ]
 
 

@@ -834,11 +834,17 @@ def test_the_sampler_correction_defaults_on_for_bf16_sampling(overrides, expecte
     assert train_module.update_config_of(config, beta_in_loss=0.0).sampler_correction == expected
 
 
-def test_kl_bias_correction_reaches_the_update_config():
-    config = load_config(None, ["algorithm.beta=0.04", "algorithm.kl_bias_correction=true"])
-    assert train_module.update_config_of(config, beta_in_loss=0.04).kl_bias_correction
+def test_kl_bias_correction_and_dual_clip_reach_the_update_config():
+    config = load_config(
+        None,
+        ["algorithm.beta=0.04", "algorithm.kl_bias_correction=true", "algorithm.dual_clip=3"],
+    )
+    update = train_module.update_config_of(config, beta_in_loss=0.04)
+    assert update.kl_bias_correction and update.dual_clip == 3.0
     default = train_module.update_config_of(load_config(None, []), beta_in_loss=0.0)
-    assert not default.kl_bias_correction
+    assert not default.kl_bias_correction and default.dual_clip is None
+    metrics = train_module._update_metrics({"clip_frac_dual": np.array([[0.25, 0.75]])})
+    assert metrics == {"clip_frac/dual": 0.5}
 
 
 def test_the_logits_budget_reaches_the_update():
