@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import inspect
+import json
 import pathlib
 import types
 import typing
@@ -777,6 +778,26 @@ def format_markdown() -> str:
 def to_dict(config: Config) -> dict[str, Any]:
     """The config as plain nested dicts (for YAML, JSON logs and checkpoints)."""
     return dataclasses.asdict(config)
+
+
+def changed_settings(saved: dict[str, Any], config: Config) -> list[str]:
+    """`key: old -> new` for each setting of `config` that differs from `saved`, a `to_dict`
+    tree read back from JSON (a checkpoint's); keys only one side has are left out."""
+
+    def flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+        out = {}
+        for key, value in tree.items():
+            if isinstance(value, dict):
+                out.update(flat(value, f"{prefix}{key}."))
+            else:
+                out[f"{prefix}{key}"] = value
+        return out
+
+    old = flat(saved)
+    new = flat(json.loads(json.dumps(to_dict(config))))  # tuples as lists, as saved
+    return [
+        f"{key}: {old[key]!r} -> {new[key]!r}" for key in new if key in old and old[key] != new[key]
+    ]
 
 
 def from_dict(tree: dict[str, Any]) -> Config:

@@ -41,6 +41,7 @@ from jgrpo.config import (
     SMOKE_OVERRIDES,
     Config,
     ConfigError,
+    changed_settings,
     format_help,
     load_config,
     to_dict,
@@ -1274,6 +1275,13 @@ def train(
         step, position = int(meta["step"]), int(meta["data_position"])
         trainer.load_meta(meta)
         logger.info("resuming %s from step %d", run_dir, step)
+        changes = changed_settings(meta.get("config", {}), c)
+        if changes:
+            logger.warning(
+                "resuming with settings other than the checkpoint's (these apply from step %d): %s",
+                step + 1,
+                "; ".join(changes),
+            )
     primary = distributed.is_primary()  # process 0 writes metrics and logs samples
     writer = (
         MetricsWriter(

@@ -1,6 +1,7 @@
 """The training config: YAML + overrides, strict validation, help text, round trip."""
 
 import dataclasses
+import json
 
 import pytest
 import yaml
@@ -8,6 +9,7 @@ import yaml
 from jgrpo.config import (
     Config,
     ConfigError,
+    changed_settings,
     field_names,
     format_help,
     load_config,
@@ -158,3 +160,16 @@ def test_the_demo_preset_file_matches_the_built_in_demo():
 
     path = pathlib.Path(__file__).parent.parent / "configs" / "demo.yaml"
     assert load_config(path) == load_config(None, DEMO_OVERRIDES)
+
+
+def test_changed_settings_name_what_differs_from_a_saved_config():
+    saved = json.loads(json.dumps(to_dict(load_config(None, ["algorithm.beta=0.04"]))))
+    assert changed_settings(saved, load_config(None, ["algorithm.beta=0.04"])) == []
+    now = load_config(None, ["optim.lr=5e-4", "rollout.weights_dtype=bfloat16"])
+    assert changed_settings(saved, now) == [
+        "rollout.weights_dtype: 'float32' -> 'bfloat16'",
+        "algorithm.beta: 0.04 -> 0.0",
+        "optim.lr: 1e-06 -> 0.0005",
+    ]
+    del saved["algorithm"]["beta"]  # a key the checkpoint's version did not have
+    assert changed_settings(saved, load_config(None, [])) == []

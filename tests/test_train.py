@@ -72,7 +72,7 @@ def assert_trees_equal(a, b):
     jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a, b)
 
 
-def test_end_to_end_metrics_checkpoints_eval_and_export(tmp_path, count_compiles):
+def test_end_to_end_metrics_checkpoints_eval_and_export(tmp_path, count_compiles, caplog):
     import models
 
     config = tiny_config(
@@ -112,8 +112,16 @@ def test_end_to_end_metrics_checkpoints_eval_and_export(tmp_path, count_compiles
     export_script = runpy.run_path(str(script))  # its main(), in this process
     assert export_script["main"]([str(tmp_path), str(tmp_path / "again")]) == tmp_path / "again"
     assert_trees_equal(models.from_pretrained(tmp_path / "again").params(), result.state.params)
-    # Rerunning a finished run resumes at its end and does nothing more.
-    again = train_module.train(tiny_config(tmp_path, "train.steps=4", "train.export=false"))
+    # Rerunning a finished run resumes at its end and does nothing more; the settings that
+    # differ from the checkpoint's are named.
+    with caplog.at_level(logging.WARNING, logger="jgrpo.train"):
+        again = train_module.train(tiny_config(tmp_path, "train.steps=4", "train.export=false"))
+    assert (
+        "resuming with settings other than the checkpoint's (these apply from step 5): "
+        "task.reward_workers: 2 -> 0; train.eval_every: 1 -> 20; train.save_every: 2 -> 50; "
+        "train.keep_checkpoints: 1 -> 3; train.export: True -> False; train.tensorboard: "
+        "True -> False"
+    ) in caplog.text, caplog.text
     assert again.steps_done == 4 and len(read_metrics(tmp_path)) == 4
     assert_trees_equal(again.state.params, result.state.params)
 
