@@ -9,7 +9,7 @@ import importlib
 
 from jgrpo.advantages import GroupStats, group_advantages, group_statistics
 from jgrpo.logprobs import chunked_token_logprobs, token_logprobs
-from jgrpo.losses import grpo_loss, sampler_weights, sequence_kl, token_kl
+from jgrpo.losses import grpo_loss, high_entropy_mask, sampler_weights, sequence_kl, token_kl
 
 _LAZY = {
     "generate": "jgrpo.generation",
@@ -38,6 +38,7 @@ __all__ = [
     "group_advantages",
     "group_statistics",
     "grpo_loss",
+    "high_entropy_mask",
     "init_state",
     "make_optimizer",
     "rollout",

@@ -154,6 +154,11 @@ class AlgorithmSection:
         "reverse-KL gradient (DeepSeek-V3.2; TRL's use_bias_correction_kl, on by default there)",
     )
     ratio_level: str = option("token", "importance ratio per token, or per sequence (GSPO)")
+    top_entropy_quantile: float = option(
+        1.0,
+        "train the policy term on this share of each micro-batch's completion tokens, those of "
+        "highest entropy (1 = all; Wang et al. 2025 keep 0.2; TRL's top_entropy_quantile)",
+    )
     sampler_correction: str = option(
         "auto",
         "weight each token's loss by pi / pi_sampler per token or sequence, bounded to "
@@ -236,6 +241,11 @@ class AlgorithmSection:
                 f"algorithm.dual_clip must be > 1 + clip_eps_high = {1 + high} (the ratio above "
                 f"which negative-advantage tokens stop), got {self.dual_clip}; set it higher "
                 "(verl uses 3.0) or to null."
+            )
+        if not 0 < self.top_entropy_quantile <= 1:
+            raise ConfigError(
+                "algorithm.top_entropy_quantile must be in (0, 1] (the share of tokens the policy "
+                f"term trains on; 1 = all), got {self.top_entropy_quantile}."
             )
         if self.kl_in_reward and self.beta == 0:
             raise ConfigError("algorithm.kl_in_reward needs algorithm.beta > 0 (its weight).")

@@ -109,6 +109,29 @@ def sampler_weights(
     return jax.lax.stop_gradient(jnp.where(on, weight, 0.0))
 
 
+def high_entropy_mask(
+    entropy: jax.Array,  # f32[B, T] each position's entropy under the policy
+    mask: jax.Array,  # [B, T], nonzero on completion tokens
+    *,
+    quantile: float,
+) -> jax.Array:  # f32[B, T], 1 on the kept tokens, no gradient
+    """1 on the completion tokens whose entropy is at least the (1 - quantile) quantile of
+    all completion tokens' entropies here (linear interpolation), 0 elsewhere.
+
+    Pass it as `grpo_loss(..., policy_mask=...)` to train the policy term on the `quantile`
+    share of highest-entropy tokens only, the "forking" tokens where the policy is unsure
+    (Wang et al. 2025 keep 0.2; TRL's `top_entropy_quantile`). No tokens: all 0.
+    """
+    check_shape("entropy", entropy, ndim=2)
+    check_shape("mask", mask, like=("entropy", entropy))
+    if not 0 < quantile <= 1:
+        raise ValueError(f"quantile must be in (0, 1] (the share of tokens kept), got {quantile}.")
+    on = mask.astype(bool)
+    entropy = jax.lax.stop_gradient(entropy.astype(jnp.float32))
+    threshold = jnp.nanquantile(jnp.where(on, entropy, jnp.nan), 1.0 - quantile)
+    return (on & (entropy >= threshold)).astype(jnp.float32)
+
+
 def grpo_loss(
     logprobs: jax.Array,  # f32[B, T] sampled tokens under the current policy
     old_logprobs: jax.Array,  # f32[B, T] under the policy that sampled them
@@ -127,6 +150,7 @@ def grpo_loss(
     total_tokens: jax.Array | int | None = None,
     sampler_weights: jax.Array | None = None,  # f32[B, T] from `sampler_weights`
     kl_bias_correction: bool = False,
+    policy_mask: jax.Array | None = None,  # [B, T] from `high_entropy_mask`
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Clipped-ratio policy loss with an optional KL penalty; returns (scalar loss, metrics).
 
@@ -146,6 +170,9 @@ def grpo_loss(
     r_t with its gradient: with k3 the KL gradient becomes the unbiased reverse-KL gradient
     (log(pi / pi_ref) grad log pi per token on-policy, not 1 - pi_ref / pi), as in
     DeepSeek-V3.2 and TRL's `use_bias_correction_kl`; `kl_mean` stays the unweighted KL_t.
+    `policy_mask` (no gradient), when given, multiplies each token's policy term (the
+    clipped-ratio part; the KL term and the normaliser keep `mask`), as TRL applies its
+    entropy mask.
     `sampler_weights` w (no gradient), when given, multiply each token's loss: L_t w_t, the
     correction for tokens drawn by a sampler other than the policy (`sampler_weights`).
 
@@ -173,6 +200,8 @@ def grpo_loss(
         check_shape("ref_logprobs", ref_logprobs, like=("logprobs", logprobs))
     if sampler_weights is not None:
         check_shape("sampler_weights", sampler_weights, like=("logprobs", logprobs))
+    if policy_mask is not None:
+        check_shape("policy_mask", policy_mask, like=("logprobs", logprobs))
     if beta < 0:
         raise ValueError(f"beta must be >= 0 (0 disables the KL penalty), got {beta}.")
     if beta > 0 and ref_logprobs is None:
@@ -210,6 +239,8 @@ def grpo_loss(
     per_token = -jnp.minimum(ratio * adv, clipped_ratio * adv)  # [B, T]
     if dual_clip is not None:
         per_token = jnp.where(adv < 0, jnp.minimum(per_token, -dual_clip * adv), per_token)
+    if policy_mask is not None:
+        per_token = per_token * jax.lax.stop_gradient(policy_mask.astype(jnp.float32))
     if ref_logprobs is not None:
         kl = token_kl(logprobs, ref_logprobs, kl_estimator=kl_estimator)  # [B, T]
         if beta > 0:

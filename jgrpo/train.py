@@ -287,6 +287,7 @@ def update_config_of(config: Config, *, beta_in_loss: float, batch_shards: int =
         beta=beta_in_loss,
         kl_estimator=algo.kl_estimator,
         kl_bias_correction=algo.kl_bias_correction,
+        top_entropy_quantile=algo.top_entropy_quantile,
         ratio_level=algo.ratio_level,
         temperature=config.rollout.temperature,
         shared_prompt_rows=shared_prompt_rows(

@@ -27,6 +27,7 @@ from jgrpo.losses import (
     SAMPLER_CORRECTION_LEVELS,
     SAMPLER_CORRECTION_MODES,
     grpo_loss,
+    high_entropy_mask,
     sampler_weights,
 )
 from jgrpo.sharding import traced_shard_count
@@ -69,6 +70,7 @@ class UpdateConfig:
     beta: float = 0.0  # KL penalty in the loss; 0 = no reference model
     kl_estimator: str = "k3"
     kl_bias_correction: bool = False  # KL term weighted by the ratio (unbiased gradient)
+    top_entropy_quantile: float = 1.0  # policy term on this share of tokens, highest entropy
     ratio_level: str = "token"
     temperature: float = 1.0  # must equal the sampling temperature
     logprob_chunk_size: int = 4096
@@ -89,6 +91,11 @@ class UpdateConfig:
         if not isinstance(self.shared_prompt_rows, int) or self.shared_prompt_rows < 1:
             raise ValueError(
                 f"shared_prompt_rows must be an int >= 1, got {self.shared_prompt_rows!r}."
+            )
+        if not 0 < self.top_entropy_quantile <= 1:
+            raise ValueError(
+                f"top_entropy_quantile must be in (0, 1] (1 = every token), got "
+                f"{self.top_entropy_quantile}."
             )
         if self.temperature <= 0:
             raise ValueError(
@@ -384,6 +391,11 @@ def train_step(
             weights, sampler_metrics = _sampler_terms(
                 old, micro.sampler_logprobs, micro.completion_mask, cfg
             )
+        policy_mask = None
+        if cfg.top_entropy_quantile < 1:  # over this micro-batch's tokens, as TRL's forward batch
+            policy_mask = high_entropy_mask(
+                entropy, micro.completion_mask, quantile=cfg.top_entropy_quantile
+            )
         loss, metrics = grpo_loss(
             logprobs,
             old,
@@ -401,6 +413,7 @@ def train_step(
             total_tokens=minibatch_tokens,
             max_completion_length=cfg.max_completion_length,
             sampler_weights=weights,
+            policy_mask=policy_mask,
         )
         metrics.update(sampler_metrics)
         mask = micro.completion_mask.astype(jnp.float32)

@@ -41,6 +41,7 @@ API = (
             "jgrpo.GroupStats",
             "jgrpo.grpo_loss",
             "jgrpo.sampler_weights",
+            "jgrpo.high_entropy_mask",
             "jgrpo.token_kl",
             "jgrpo.sequence_kl",
             "jgrpo.token_logprobs",

@@ -112,6 +112,10 @@ def test_round_trip_through_yaml(tmp_path):
             ["algorithm.clip_eps_high=0.28", "algorithm.dual_clip=1.25"],
             r"algorithm\.dual_clip must be > 1 \+ clip_eps_high = 1\.28 .*verl uses 3\.0",
         ),
+        (
+            ["algorithm.top_entropy_quantile=0"],
+            r"algorithm\.top_entropy_quantile must be in \(0, 1\]",
+        ),
         (["train.profile_steps=-1"], r"train\.profile_steps must be >= 0"),
         (
             ["train.steps=3", "train.profile_steps=2", "train.profile_start=5"],

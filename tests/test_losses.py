@@ -224,6 +224,41 @@ def test_dual_clip_is_trls_delta_and_verls_dual_clip():
     assert np.any((r > c) & (a < 0)) and not np.isclose(trl.mean(), ppo.mean())
 
 
+def test_high_entropy_mask_keeps_the_top_quantile_of_completion_tokens():
+    entropy = jnp.array([[0.1, 0.5, 0.9, 5.0], [0.3, 0.7, 0.2, 0.8]])
+    mask = jnp.array([[1, 1, 1, 0], [1, 1, 1, 1]])  # the 5.0 is padding: never kept or counted
+    # The median of the 7 real values (0.1, 0.2, 0.3, 0.5, 0.7, 0.8, 0.9) is 0.5.
+    np.testing.assert_array_equal(
+        jgrpo.high_entropy_mask(entropy, mask, quantile=0.5), [[0, 1, 1, 0], [0, 1, 0, 1]]
+    )
+    # quantile 0.2: the 0.8 quantile, at position 0.8 x 6 = 4.8 of the sorted values,
+    # 0.7 + 0.8 x (0.8 - 0.7) = 0.78: 0.8 and 0.9 are kept.
+    np.testing.assert_array_equal(
+        jgrpo.high_entropy_mask(entropy, mask, quantile=0.2), [[0, 0, 1, 0], [0, 0, 0, 1]]
+    )
+    np.testing.assert_array_equal(jgrpo.high_entropy_mask(entropy, mask, quantile=1.0), mask)
+    empty = jgrpo.high_entropy_mask(entropy, jnp.zeros_like(mask), quantile=0.5)
+    np.testing.assert_array_equal(empty, 0.0)
+    with pytest.raises(ValueError, match=r"quantile must be in \(0, 1\]"):
+        jgrpo.high_entropy_mask(entropy, mask, quantile=0.0)
+
+
+def test_policy_mask_drops_only_the_policy_term():
+    """Masked tokens keep their KL term and their place in the normaliser (as TRL)."""
+    logprobs, old, advantages, mask = arrays()
+    ref = jnp.array(REF)
+    loss = lambda **kw: jgrpo.grpo_loss(
+        logprobs, old, kw.pop("a", advantages), mask, ref_logprobs=ref, beta=0.5, **kw
+    )[0]
+    np.testing.assert_allclose(loss(policy_mask=jnp.ones((2, 3))), loss(), rtol=1e-6)
+    kl_only = loss(a=jnp.zeros(2))
+    np.testing.assert_allclose(loss(policy_mask=jnp.zeros((2, 3))), kl_only, rtol=1e-6)
+    # Row 0's first token alone keeps its policy term: grpo's row mean adds -1.2 / 2 (its
+    # clipped r A, as in test_literal_values), and the mean over the 2 rows halves that.
+    first = jnp.zeros((2, 3)).at[0, 0].set(1.0)
+    np.testing.assert_allclose(loss(policy_mask=first), kl_only - 1.2 / 2 / 2, rtol=1e-5)
+
+
 @pytest.mark.parametrize("clip_eps_high", [None, 0.28])
 def test_clipped_tokens_get_zero_gradient(clip_eps_high):
     high = 0.2 if clip_eps_high is None else clip_eps_high
@@ -344,6 +379,7 @@ def test_total_tokens_may_be_a_traced_array():
         (dict(clip_eps=0.0), r"clip_eps must be in \(0, 1\)"),
         (dict(clip_eps_high=-0.1), "clip_eps_high must be > 0"),
         (dict(dual_clip=1.2), r"dual_clip must be > 1 \+ clip_eps_high = 1.2"),
+        (dict(policy_mask=jnp.ones((2, 4))), "policy_mask must have the same shape as logprobs"),
         (
             dict(old_logprobs=jnp.zeros((2, 4))),
             r"old_logprobs must have the same shape as logprobs",

@@ -842,15 +842,22 @@ def test_the_sampler_correction_defaults_on_for_bf16_sampling(overrides, expecte
     assert train_module.update_config_of(config, beta_in_loss=0.0).sampler_correction == expected
 
 
-def test_kl_bias_correction_and_dual_clip_reach_the_update_config():
+def test_the_loss_options_reach_the_update_config():
     config = load_config(
         None,
-        ["algorithm.beta=0.04", "algorithm.kl_bias_correction=true", "algorithm.dual_clip=3"],
+        [
+            "algorithm.beta=0.04",
+            "algorithm.kl_bias_correction=true",
+            "algorithm.dual_clip=3",
+            "algorithm.top_entropy_quantile=0.2",
+        ],
     )
     update = train_module.update_config_of(config, beta_in_loss=0.04)
     assert update.kl_bias_correction and update.dual_clip == 3.0
+    assert update.top_entropy_quantile == 0.2
     default = train_module.update_config_of(load_config(None, []), beta_in_loss=0.0)
     assert not default.kl_bias_correction and default.dual_clip is None
+    assert default.top_entropy_quantile == 1.0
     metrics = train_module._update_metrics({"clip_frac_dual": np.array([[0.25, 0.75]])})
     assert metrics == {"clip_frac/dual": 0.5}
 

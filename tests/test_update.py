@@ -200,6 +200,27 @@ def test_kl_bias_correction_reaches_the_update(params):
             np.testing.assert_allclose(got, want, atol=1e-4 * scale)
 
 
+def test_top_entropy_quantile_trains_on_the_high_entropy_tokens(params):
+    """On-policy with beta 0 the update's gradient is -sum_t A_i k_t grad logprob_t / n, k_t
+    1 on the tokens `high_entropy_mask` keeps (from the policy's own entropies), 0 else."""
+    batch, _ = rollout_batch(params)
+    logprobs_and_entropy = lambda p: completion_logprobs(
+        p, batch, model_config=CONFIG, temperature=1.0, chunk_size=64
+    )
+    _, entropy = logprobs_and_entropy(params)
+    kept = jgrpo.high_entropy_mask(entropy, batch.completion_mask, quantile=0.5)
+    mask = np.asarray(batch.completion_mask, np.float32)
+    assert 0 < kept.sum() < mask.sum()
+    weights = -batch.advantages[:, None] * kept / mask.sum()  # [B, N]
+    expected = jax.grad(lambda p: (weights * logprobs_and_entropy(p)[0]).sum())(params)
+    state, _ = step(params, batch, optimizer=optax.sgd(1e3), top_entropy_quantile=0.5)
+    moved = jax.tree.map(lambda old, new: (old - new) / 1e3, params, state.params)
+    for got, want in zip(jax.tree.leaves(moved), jax.tree.leaves(expected), strict=True):
+        scale = float(jnp.abs(want).max())
+        assert scale > 0
+        np.testing.assert_allclose(got, want, atol=1e-4 * scale)
+
+
 def test_a_bf16_reference_moves_only_the_kl_term(params):
     """ref_params with bf16 weight matrices and embeddings (`with_rounded_weights`, what
     model.reference_dtype=bfloat16 stores): the reference log-probs move by bf16 rounding, so
