@@ -9,7 +9,14 @@ import importlib
 
 from jgrpo.advantages import GroupStats, group_advantages, group_statistics
 from jgrpo.logprobs import chunked_token_logprobs, token_logprobs
-from jgrpo.losses import grpo_loss, high_entropy_mask, sampler_weights, sequence_kl, token_kl
+from jgrpo.losses import (
+    grpo_loss,
+    high_entropy_mask,
+    off_policy_mask,
+    sampler_weights,
+    sequence_kl,
+    token_kl,
+)
 
 _LAZY = {
     "generate": "jgrpo.generation",
@@ -41,6 +48,7 @@ __all__ = [
     "high_entropy_mask",
     "init_state",
     "make_optimizer",
+    "off_policy_mask",
     "rollout",
     "sampler_weights",
     "sequence_kl",

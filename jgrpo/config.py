@@ -154,6 +154,12 @@ class AlgorithmSection:
         "reverse-KL gradient (DeepSeek-V3.2; TRL's use_bias_correction_kl, on by default there)",
     )
     ratio_level: str = option("token", "importance ratio per token, or per sequence (GSPO)")
+    off_policy_mask_threshold: float | None = option(
+        None,
+        "leave out completions with a negative advantage whose mean log(pi_sampler / pi) per "
+        "token exceeds this (DeepSeek-V3.2; TRL's off_policy_mask_threshold, e.g. 0.5); "
+        "None = off",
+    )
     top_entropy_quantile: float = option(
         1.0,
         "train the policy term on this share of each micro-batch's completion tokens, those of "
@@ -241,6 +247,11 @@ class AlgorithmSection:
                 f"algorithm.dual_clip must be > 1 + clip_eps_high = {1 + high} (the ratio above "
                 f"which negative-advantage tokens stop), got {self.dual_clip}; set it higher "
                 "(verl uses 3.0) or to null."
+            )
+        if self.off_policy_mask_threshold is not None and not self.off_policy_mask_threshold >= 0:
+            raise ConfigError(
+                "algorithm.off_policy_mask_threshold must be >= 0 (a mean log-ratio per token; "
+                f"null = off), got {self.off_policy_mask_threshold}."
             )
         if not 0 < self.top_entropy_quantile <= 1:
             raise ConfigError(

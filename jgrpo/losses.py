@@ -132,6 +132,34 @@ def high_entropy_mask(
     return (on & (entropy >= threshold)).astype(jnp.float32)
 
 
+def off_policy_mask(
+    advantages: jax.Array,  # f32[B]
+    logprobs: jax.Array,  # f32[B, T] sampled tokens under the current policy
+    sampler_logprobs: jax.Array,  # f32[B, T] the same tokens under the sampler that drew them
+    mask: jax.Array,  # [B, T], nonzero on completion tokens
+    *,
+    threshold: float,
+) -> jax.Array:  # f32[B, T], each row's 0 or 1 on every position, no gradient
+    """0 on the rows with a negative advantage whose mean per-token
+    log(pi_sampler / pi) over the completion exceeds `threshold`, 1 on every other row.
+
+    DeepSeek-V3.2's off-policy sequence masking (TRL's `off_policy_mask_threshold`): a
+    completion the policy has drifted far from, and which would be pushed down, is left out
+    rather than trusted. Pass it as `grpo_loss(..., policy_mask=...)` (times any other mask).
+    """
+    check_shape("logprobs", logprobs, ndim=2)
+    check_shape("sampler_logprobs", sampler_logprobs, like=("logprobs", logprobs))
+    check_shape("mask", mask, like=("logprobs", logprobs))
+    check_shape("advantages", advantages, shape=logprobs.shape[:1])
+    if not threshold >= 0:
+        raise ValueError(f"threshold must be >= 0 (a mean log-ratio), got {threshold}.")
+    weights = mask.astype(jnp.float32)  # [B, T]
+    gap = sampler_logprobs.astype(jnp.float32) - jax.lax.stop_gradient(logprobs).astype(jnp.float32)
+    mean_gap = (gap * weights).sum(-1) / jnp.maximum(weights.sum(-1), 1.0)  # [B]
+    keep = (advantages >= 0) | (mean_gap <= threshold)  # [B]
+    return jnp.broadcast_to(keep[:, None], weights.shape).astype(jnp.float32)
+
+
 def grpo_loss(
     logprobs: jax.Array,  # f32[B, T] sampled tokens under the current policy
     old_logprobs: jax.Array,  # f32[B, T] under the policy that sampled them
@@ -150,7 +178,7 @@ def grpo_loss(
     total_tokens: jax.Array | int | None = None,
     sampler_weights: jax.Array | None = None,  # f32[B, T] from `sampler_weights`
     kl_bias_correction: bool = False,
-    policy_mask: jax.Array | None = None,  # [B, T] from `high_entropy_mask`
+    policy_mask: jax.Array | None = None,  # [B, T] from `high_entropy_mask`, `off_policy_mask`
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Clipped-ratio policy loss with an optional KL penalty; returns (scalar loss, metrics).
 

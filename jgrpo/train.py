@@ -288,6 +288,7 @@ def update_config_of(config: Config, *, beta_in_loss: float, batch_shards: int =
         kl_estimator=algo.kl_estimator,
         kl_bias_correction=algo.kl_bias_correction,
         top_entropy_quantile=algo.top_entropy_quantile,
+        off_policy_mask_threshold=algo.off_policy_mask_threshold,
         ratio_level=algo.ratio_level,
         temperature=config.rollout.temperature,
         shared_prompt_rows=shared_prompt_rows(
@@ -1189,6 +1190,7 @@ def _update_metrics(update: dict[str, np.ndarray]) -> dict[str, float]:
         "sampler_gap": "sampler/gap",
         "sampler_weight_mean": "sampler/weight_mean",
         "sampler_capped_frac": "sampler/capped_frac",
+        "off_policy_masked_frac": "off_policy/masked_frac",
     }
     metrics = {ours: float(np.mean(update[key])) for key, ours in names.items() if key in update}
     if "lr" in update:

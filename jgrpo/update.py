@@ -28,6 +28,7 @@ from jgrpo.losses import (
     SAMPLER_CORRECTION_MODES,
     grpo_loss,
     high_entropy_mask,
+    off_policy_mask,
     sampler_weights,
 )
 from jgrpo.sharding import traced_shard_count
@@ -71,6 +72,7 @@ class UpdateConfig:
     kl_estimator: str = "k3"
     kl_bias_correction: bool = False  # KL term weighted by the ratio (unbiased gradient)
     top_entropy_quantile: float = 1.0  # policy term on this share of tokens, highest entropy
+    off_policy_mask_threshold: float | None = None  # drop A < 0 rows the policy drifted from
     ratio_level: str = "token"
     temperature: float = 1.0  # must equal the sampling temperature
     logprob_chunk_size: int = 4096
@@ -91,6 +93,11 @@ class UpdateConfig:
         if not isinstance(self.shared_prompt_rows, int) or self.shared_prompt_rows < 1:
             raise ValueError(
                 f"shared_prompt_rows must be an int >= 1, got {self.shared_prompt_rows!r}."
+            )
+        if self.off_policy_mask_threshold is not None and not self.off_policy_mask_threshold >= 0:
+            raise ValueError(
+                "off_policy_mask_threshold must be >= 0 (None = off), got "
+                f"{self.off_policy_mask_threshold}."
             )
         if not 0 < self.top_entropy_quantile <= 1:
             raise ValueError(
@@ -396,6 +403,22 @@ def train_step(
             policy_mask = high_entropy_mask(
                 entropy, micro.completion_mask, quantile=cfg.top_entropy_quantile
             )
+        off_policy_metrics = {}
+        if cfg.off_policy_mask_threshold is not None:
+            sampled = old if micro.sampler_logprobs is None else micro.sampler_logprobs
+            kept_rows = off_policy_mask(
+                micro.advantages,
+                logprobs,
+                sampled,
+                micro.completion_mask,
+                threshold=cfg.off_policy_mask_threshold,
+            )  # [B, N]
+            policy_mask = kept_rows if policy_mask is None else policy_mask * kept_rows
+            nonempty = micro.completion_mask.any(axis=-1)  # [B]
+            dropped = nonempty & (kept_rows[:, 0] == 0)
+            off_policy_metrics["off_policy_masked_frac"] = dropped.sum() / jnp.maximum(
+                nonempty.sum(), 1
+            )
         loss, metrics = grpo_loss(
             logprobs,
             old,
@@ -416,6 +439,7 @@ def train_step(
             policy_mask=policy_mask,
         )
         metrics.update(sampler_metrics)
+        metrics.update(off_policy_metrics)
         mask = micro.completion_mask.astype(jnp.float32)
         metrics["entropy"] = (entropy * mask).sum() / jnp.maximum(mask.sum(), 1.0)
         metrics["loss"] = loss

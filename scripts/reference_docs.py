@@ -42,6 +42,7 @@ API = (
             "jgrpo.grpo_loss",
             "jgrpo.sampler_weights",
             "jgrpo.high_entropy_mask",
+            "jgrpo.off_policy_mask",
             "jgrpo.token_kl",
             "jgrpo.sequence_kl",
             "jgrpo.token_logprobs",

@@ -116,6 +116,10 @@ def test_round_trip_through_yaml(tmp_path):
             ["algorithm.top_entropy_quantile=0"],
             r"algorithm\.top_entropy_quantile must be in \(0, 1\]",
         ),
+        (
+            ["algorithm.off_policy_mask_threshold=-0.5"],
+            r"algorithm\.off_policy_mask_threshold must be >= 0",
+        ),
         (["train.profile_steps=-1"], r"train\.profile_steps must be >= 0"),
         (
             ["train.steps=3", "train.profile_steps=2", "train.profile_start=5"],

@@ -243,6 +243,21 @@ def test_high_entropy_mask_keeps_the_top_quantile_of_completion_tokens():
         jgrpo.high_entropy_mask(entropy, mask, quantile=0.0)
 
 
+def test_off_policy_mask_drops_negative_rows_the_policy_drifted_from():
+    logprobs = jnp.array([[-1.0, -1.0, -1.0], [-1.0, -2.0, -1.0], [-1.0, -1.0, -1.0]])
+    sampled = jnp.array([[0.0, 0.0, 0.0], [-0.5, -1.2, 9.0], [-0.8, -0.8, -1.2]])
+    mask = jnp.array([[1, 1, 1], [1, 1, 0], [1, 1, 1]])
+    # Mean log(pi_sampler / pi): row 0 1.0 (A > 0: kept), row 1 (0.5 + 0.8) / 2 = 0.65 over
+    # its two tokens (A < 0: dropped at 0.5, kept at 0.7), row 2 (0.2 + 0.2 - 0.2) / 3.
+    advantages = jnp.array([1.0, -0.5, -1.0])
+    got = jgrpo.off_policy_mask(advantages, logprobs, sampled, mask, threshold=0.5)
+    np.testing.assert_array_equal(got, [[1, 1, 1], [0, 0, 0], [1, 1, 1]])
+    got = jgrpo.off_policy_mask(advantages, logprobs, sampled, mask, threshold=0.7)
+    np.testing.assert_array_equal(got, np.ones((3, 3)))
+    with pytest.raises(ValueError, match="threshold must be >= 0"):
+        jgrpo.off_policy_mask(advantages, logprobs, sampled, mask, threshold=-1.0)
+
+
 def test_policy_mask_drops_only_the_policy_term():
     """Masked tokens keep their KL term and their place in the normaliser (as TRL)."""
     logprobs, old, advantages, mask = arrays()

@@ -850,16 +850,19 @@ def test_the_loss_options_reach_the_update_config():
             "algorithm.kl_bias_correction=true",
             "algorithm.dual_clip=3",
             "algorithm.top_entropy_quantile=0.2",
+            "algorithm.off_policy_mask_threshold=0.5",
         ],
     )
     update = train_module.update_config_of(config, beta_in_loss=0.04)
     assert update.kl_bias_correction and update.dual_clip == 3.0
-    assert update.top_entropy_quantile == 0.2
+    assert update.top_entropy_quantile == 0.2 and update.off_policy_mask_threshold == 0.5
     default = train_module.update_config_of(load_config(None, []), beta_in_loss=0.0)
     assert not default.kl_bias_correction and default.dual_clip is None
-    assert default.top_entropy_quantile == 1.0
-    metrics = train_module._update_metrics({"clip_frac_dual": np.array([[0.25, 0.75]])})
-    assert metrics == {"clip_frac/dual": 0.5}
+    assert default.top_entropy_quantile == 1.0 and default.off_policy_mask_threshold is None
+    metrics = train_module._update_metrics(
+        {"clip_frac_dual": np.array([[0.25, 0.75]]), "off_policy_masked_frac": np.array([[0.5]])}
+    )
+    assert metrics == {"clip_frac/dual": 0.5, "off_policy/masked_frac": 0.5}
 
 
 def test_the_logits_budget_reaches_the_update():

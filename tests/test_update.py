@@ -221,6 +221,37 @@ def test_top_entropy_quantile_trains_on_the_high_entropy_tokens(params):
         np.testing.assert_allclose(got, want, atol=1e-4 * scale)
 
 
+def test_off_policy_mask_threshold_leaves_out_drifted_negative_rows(params):
+    """A sampler whose log-probs sit 1 above the policy's on the negative-advantage rows:
+    with threshold 0.5 those rows leave the policy term, and the gradient is the remaining
+    rows' -sum_t A_i grad logprob_t / n (n still counts every completion token)."""
+    batch, _ = rollout_batch(params)
+    logprobs = jnp.asarray(logprobs_under(params, batch))
+    negative = batch.advantages < 0  # [B]
+    assert 0 < negative.sum() < len(negative)
+    batch = batch._replace(sampler_logprobs=logprobs + 1.0 * negative[:, None])
+    mask = np.asarray(batch.completion_mask, np.float32)
+    weights = -batch.advantages[:, None] * ~negative[:, None] * mask / mask.sum()  # [B, N]
+
+    def surrogate(p):
+        new_logprobs, _ = completion_logprobs(
+            p, batch, model_config=CONFIG, temperature=1.0, chunk_size=64
+        )
+        return (weights * new_logprobs).sum()
+
+    expected = jax.grad(surrogate)(params)
+    state, metrics = step(params, batch, optimizer=optax.sgd(1e3), off_policy_mask_threshold=0.5)
+    nonempty = np.asarray(batch.completion_mask).any(-1)
+    np.testing.assert_allclose(
+        metrics["off_policy_masked_frac"], (nonempty & np.asarray(negative)).sum() / nonempty.sum()
+    )
+    moved = jax.tree.map(lambda old, new: (old - new) / 1e3, params, state.params)
+    for got, want in zip(jax.tree.leaves(moved), jax.tree.leaves(expected), strict=True):
+        scale = float(jnp.abs(want).max())
+        assert scale > 0
+        np.testing.assert_allclose(got, want, atol=1e-4 * scale)
+
+
 def test_a_bf16_reference_moves_only_the_kl_term(params):
     """ref_params with bf16 weight matrices and embeddings (`with_rounded_weights`, what
     model.reference_dtype=bfloat16 stores): the reference log-probs move by bf16 rounding, so
