@@ -168,11 +168,31 @@ def test_kl_to_the_reference(params):
         step(params, batch, beta=0.1)
 
 
+def update_matches_gradient(params, batch, weights, ref=None, **update):
+    """Asserts the update's gradient is that of sum(weights x logprobs): the loss's per-token
+    coefficients, derived by hand in `weights` [B, N]. Read through one SGD step of 1000 x
+    the gradient, so the move stands above the parameters' f32 rounding; returns the metrics."""
+
+    def surrogate(p):
+        logprobs, _ = completion_logprobs(
+            p, batch, model_config=CONFIG, temperature=1.0, chunk_size=64
+        )
+        return (weights * logprobs).sum()
+
+    expected = jax.grad(surrogate)(params)
+    state, metrics = step(params, batch, ref, optax.sgd(1e3), **update)
+    moved = jax.tree.map(lambda old, new: (old - new) / 1e3, params, state.params)
+    for got, want in zip(jax.tree.leaves(moved), jax.tree.leaves(expected), strict=True):
+        scale = float(jnp.abs(want).max())
+        assert scale > 0
+        np.testing.assert_allclose(got, want, atol=1e-4 * scale)
+    return metrics
+
+
 def test_kl_bias_correction_reaches_the_update(params):
     """With zero advantages the update's gradient is the KL term's alone: beta / n times
     sum_t c_t grad logprob_t, c_t = logprob_t - ref_t with the ratio weight (the reverse-KL
-    gradient) and 1 - exp(ref_t - logprob_t) without. SGD steps of 1000 x the gradient, so the
-    move reads it above the parameters' f32 rounding."""
+    gradient) and 1 - exp(ref_t - logprob_t) without."""
     batch, _ = rollout_batch(params)
     batch = batch._replace(advantages=jnp.zeros_like(batch.advantages))
     ref = jax.tree.map(lambda leaf: leaf * 0.9, params)
@@ -184,41 +204,21 @@ def test_kl_bias_correction_reaches_the_update(params):
     }
     for corrected, coefficient in coefficients.items():
         weights = jnp.asarray(0.1 * coefficient * mask / mask.sum())  # [B, N]
-
-        def surrogate(p, weights=weights):
-            logprobs, _ = completion_logprobs(
-                p, batch, model_config=CONFIG, temperature=1.0, chunk_size=64
-            )
-            return (weights * logprobs).sum()
-
-        expected = jax.grad(surrogate)(params)
-        state, _ = step(params, batch, ref, optax.sgd(1e3), beta=0.1, kl_bias_correction=corrected)
-        moved = jax.tree.map(lambda old, new: (old - new) / 1e3, params, state.params)
-        for got, want in zip(jax.tree.leaves(moved), jax.tree.leaves(expected), strict=True):
-            scale = float(jnp.abs(want).max())
-            assert scale > 0
-            np.testing.assert_allclose(got, want, atol=1e-4 * scale)
+        update_matches_gradient(params, batch, weights, ref, beta=0.1, kl_bias_correction=corrected)
 
 
 def test_top_entropy_quantile_trains_on_the_high_entropy_tokens(params):
     """On-policy with beta 0 the update's gradient is -sum_t A_i k_t grad logprob_t / n, k_t
     1 on the tokens `high_entropy_mask` keeps (from the policy's own entropies), 0 else."""
     batch, _ = rollout_batch(params)
-    logprobs_and_entropy = lambda p: completion_logprobs(
-        p, batch, model_config=CONFIG, temperature=1.0, chunk_size=64
+    _, entropy = completion_logprobs(
+        params, batch, model_config=CONFIG, temperature=1.0, chunk_size=64
     )
-    _, entropy = logprobs_and_entropy(params)
     kept = jgrpo.high_entropy_mask(entropy, batch.completion_mask, quantile=0.5)
     mask = np.asarray(batch.completion_mask, np.float32)
     assert 0 < kept.sum() < mask.sum()
     weights = -batch.advantages[:, None] * kept / mask.sum()  # [B, N]
-    expected = jax.grad(lambda p: (weights * logprobs_and_entropy(p)[0]).sum())(params)
-    state, _ = step(params, batch, optimizer=optax.sgd(1e3), top_entropy_quantile=0.5)
-    moved = jax.tree.map(lambda old, new: (old - new) / 1e3, params, state.params)
-    for got, want in zip(jax.tree.leaves(moved), jax.tree.leaves(expected), strict=True):
-        scale = float(jnp.abs(want).max())
-        assert scale > 0
-        np.testing.assert_allclose(got, want, atol=1e-4 * scale)
+    update_matches_gradient(params, batch, weights, top_entropy_quantile=0.5)
 
 
 def test_off_policy_mask_threshold_leaves_out_drifted_negative_rows(params):
@@ -232,24 +232,11 @@ def test_off_policy_mask_threshold_leaves_out_drifted_negative_rows(params):
     batch = batch._replace(sampler_logprobs=logprobs + 1.0 * negative[:, None])
     mask = np.asarray(batch.completion_mask, np.float32)
     weights = -batch.advantages[:, None] * ~negative[:, None] * mask / mask.sum()  # [B, N]
-
-    def surrogate(p):
-        new_logprobs, _ = completion_logprobs(
-            p, batch, model_config=CONFIG, temperature=1.0, chunk_size=64
-        )
-        return (weights * new_logprobs).sum()
-
-    expected = jax.grad(surrogate)(params)
-    state, metrics = step(params, batch, optimizer=optax.sgd(1e3), off_policy_mask_threshold=0.5)
+    metrics = update_matches_gradient(params, batch, weights, off_policy_mask_threshold=0.5)
     nonempty = np.asarray(batch.completion_mask).any(-1)
     np.testing.assert_allclose(
         metrics["off_policy_masked_frac"], (nonempty & np.asarray(negative)).sum() / nonempty.sum()
     )
-    moved = jax.tree.map(lambda old, new: (old - new) / 1e3, params, state.params)
-    for got, want in zip(jax.tree.leaves(moved), jax.tree.leaves(expected), strict=True):
-        scale = float(jnp.abs(want).max())
-        assert scale > 0
-        np.testing.assert_allclose(got, want, atol=1e-4 * scale)
 
 
 def test_a_bf16_reference_moves_only_the_kl_term(params):
