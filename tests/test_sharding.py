@@ -224,6 +224,53 @@ def test_bf16_matmul_update_on_a_mesh_equals_one_device(shape):
     assert np.abs(one_device[0]["layers"]["up_kernel"] - f32_update).max() > 1e-6  # bf16 ran
 
 
+@pytest.mark.parametrize("shape", [(2, 2, 2), (1, 8, 1)], ids=str)
+def test_token_and_row_masks_on_a_mesh_equal_one_device(shape):
+    """top_entropy_quantile's quantile and off_policy_mask_threshold's row means span the
+    whole micro-batch, which the mesh splits over devices: the same update as one device."""
+    expected = reference()
+    one_device_batch = jax.tree.map(jnp.asarray, expected["batch"])
+    logprobs, _ = completion_logprobs(
+        expected["params"], one_device_batch, model_config=CONFIG, temperature=1.0, chunk_size=32
+    )
+    drifted = jnp.arange(PROMPTS * GROUP)[:, None] % 3 == 0  # [B, 1]: a third of the rows
+    batch = one_device_batch._replace(sampler_logprobs=logprobs + 1.0 * drifted)
+    update = UpdateConfig(
+        beta=0.0, dual_clip=3.0, top_entropy_quantile=0.5, off_policy_mask_threshold=0.5
+    )
+    state, metrics = train_step(
+        init_state(jax.tree.map(jnp.copy, expected["params"]), SGD),
+        batch,
+        model_config=CONFIG,
+        update_config=update,
+        optimizer=SGD,
+    )
+    negative = np.asarray(batch.advantages) < 0
+    masked = (negative & np.asarray(drifted[:, 0])).mean()  # every row has completion tokens
+    assert masked > 0
+    np.testing.assert_allclose(metrics["off_policy_masked_frac"], masked, rtol=1e-6)
+    mesh = make_mesh(shape)
+    params, _, _ = placed(expected, mesh)
+    sharded_batch = jax.device_put(batch, batch_shardings(batch, mesh))
+    with rules_context(mesh):
+        sharded_state, sharded_metrics = train_step(
+            init_state(jax.tree.map(jnp.copy, params), SGD),
+            sharded_batch,
+            model_config=CONFIG,
+            update_config=update,
+            optimizer=SGD,
+        )
+    for name in ("loss", "off_policy_masked_frac", "entropy"):
+        np.testing.assert_allclose(sharded_metrics[name], metrics[name], **TOLERANCE)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, **TOLERANCE),
+        sharded_state.params,
+        state.params,
+    )
+    # The masks took effect: not the plain update's parameters.
+    assert np.abs(state.params["lm_head"] - expected["stepped"]["lm_head"]).max() > 1e-4
+
+
 def test_kept_logits_are_budgeted_per_device():
     """keep_logits_mib budgets one device's share of the log-prob logits: on a mesh their rows
     split over data x fsdp, so a budget below the whole micro-batch's logits but above one
