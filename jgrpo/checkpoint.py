@@ -6,8 +6,9 @@
         ...
         checkpointer.save(step, state, {"data_position": i, "seed": 0, "config": config_dict})
 
-Each step is a directory <step>/ holding `state` (the array pytree, written by tensorstore) and
-`meta` (a JSON dict). Orbax writes a step into `<step>.orbax-checkpoint-tmp` and renames it once
+Each step is a directory <step>/ holding `state` (the array pytree, written by tensorstore),
+`meta` (a JSON dict) and, for a run whose KL reference moves (`algorithm.ref_sync_steps`), that
+`reference`. Orbax writes a step into `<step>.orbax-checkpoint-tmp` and renames it once
 everything is on disk, so a process killed mid-save leaves no step that `latest_step` returns;
 the leftover temporary directory is deleted when the next Checkpointer opens the directory.
 Old steps are deleted only after a newer one is complete, so at least one complete step remains.
@@ -51,7 +52,9 @@ class Checkpointer:
         )
         # Naming the handlers lets a new process read the metadata of existing steps.
         registry = ocp.handlers.create_default_handler_registry(
-            state=ocp.StandardCheckpointHandler(), meta=ocp.JsonCheckpointHandler()
+            state=ocp.StandardCheckpointHandler(),
+            meta=ocp.JsonCheckpointHandler(),
+            reference=ocp.StandardCheckpointHandler(),
         )
         self._manager = ocp.CheckpointManager(
             self.directory, options=options, handler_registry=registry
@@ -68,8 +71,9 @@ class Checkpointer:
         self.wait()
         return sorted(self._manager.all_steps())
 
-    def save(self, step: int, state: Any, meta: dict) -> None:
-        """Writes `state` (a pytree of arrays) and `meta` (a JSON dict) as checkpoint `step`.
+    def save(self, step: int, state: Any, meta: dict, *, reference: Any = None) -> None:
+        """Writes `state` (a pytree of arrays) and `meta` (a JSON dict) as checkpoint `step`,
+        and `reference` (another pytree of arrays) when given.
 
         Saves on every call (the caller decides when); a step that already exists (on disk or
         being written) is left as it is. Once it is complete, the oldest steps beyond `keep`
@@ -85,11 +89,12 @@ class Checkpointer:
         step = int(step)
         if step in self._manager.all_steps():
             return
+        items = dict(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
+        if reference is not None:
+            items["reference"] = ocp.args.StandardSave(reference)
         self._manager.save(
             step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
-            ),
+            args=ocp.args.Composite(**items),
             force=True,  # bypass Orbax's save-interval policy: the trainer decides
         )
 
@@ -123,6 +128,19 @@ class Checkpointer:
                 f"Cannot restore step {step} from {self.directory}: {error}"
             ) from error
         return restored.state, restored.meta
+
+    def restore_reference(self, abstract_reference: Any, step: int) -> Any | None:
+        """The `reference` saved with `step`, restored into `abstract_reference` (as
+        `restore` does the state); None when that step was saved without one."""
+        self._check_open()
+        self.wait()
+        if not (self.directory / str(step) / "reference").exists():
+            return None
+        restored = self._manager.restore(
+            step,
+            args=ocp.args.Composite(reference=ocp.args.StandardRestore(abstract_reference)),
+        )
+        return restored.reference
 
     def restore_meta(self, step: int | None = None) -> dict:
         """The meta dict of `step` (default: the latest), without reading any array."""

@@ -153,6 +153,12 @@ class AlgorithmSection:
         "weight the loss's KL term by the ratio pi / pi_old (with its gradient): the unbiased "
         "reverse-KL gradient (DeepSeek-V3.2; TRL's use_bias_correction_kl, on by default there)",
     )
+    ref_sync_steps: int = option(
+        0,
+        "every N training steps move the KL reference toward the policy, ref = alpha x policy "
+        "+ (1 - alpha) x ref (TR-DPO; TRL's sync_ref_model); 0 = a frozen reference",
+    )
+    ref_sync_alpha: float = option(0.6, "the reference sync's alpha, in (0, 1]; 1 = a copy")
     ratio_level: str = option("token", "importance ratio per token, or per sequence (GSPO)")
     off_policy_mask_threshold: float | None = option(
         None,
@@ -252,6 +258,19 @@ class AlgorithmSection:
             raise ConfigError(
                 "algorithm.off_policy_mask_threshold must be >= 0 (a mean log-ratio per token; "
                 f"null = off), got {self.off_policy_mask_threshold}."
+            )
+        if self.ref_sync_steps < 0:
+            raise ConfigError(
+                f"algorithm.ref_sync_steps must be >= 0 (0 = off), got {self.ref_sync_steps}."
+            )
+        if self.ref_sync_steps and self.beta == 0:
+            raise ConfigError(
+                "algorithm.ref_sync_steps moves the KL reference, which exists only with "
+                "algorithm.beta > 0: set beta, or algorithm.ref_sync_steps=0."
+            )
+        if not 0 < self.ref_sync_alpha <= 1:
+            raise ConfigError(
+                f"algorithm.ref_sync_alpha must be in (0, 1], got {self.ref_sync_alpha}."
             )
         if not 0 < self.top_entropy_quantile <= 1:
             raise ConfigError(

@@ -735,6 +735,24 @@ class Trainer:
         rounded = with_rounded_weights(params, jnp.bfloat16)  # new bf16 leaves, the rest shared
         return jax.tree.map(lambda x: x if x.dtype == jnp.bfloat16 else jnp.copy(x), rounded)
 
+    @functools.cached_property
+    def synced_reference(self) -> Callable[[dict, dict], dict]:
+        """(reference, params) -> alpha x params + (1 - alpha) x reference, summed in f32 and
+        kept in each reference leaf's dtype (algorithm.ref_sync_alpha); the old reference's
+        buffers are donated."""
+        alpha = self.config.algorithm.ref_sync_alpha
+
+        def mix(reference, params):
+            return jax.tree.map(
+                lambda ref, new: (
+                    alpha * new.astype(jnp.float32) + (1 - alpha) * ref.astype(jnp.float32)
+                ).astype(ref.dtype),
+                reference,
+                params,
+            )
+
+        return jax.jit(mix, donate_argnums=0)
+
     def reference_arguments(self) -> dict | None:
         """`reference_params`' result as ShapeDtypeStructs in the parameters' shardings
         (None when beta is 0; the reference exists with `kl_in_reward` too, which the update
@@ -1276,6 +1294,9 @@ def train(
     if latest is not None:
         state, meta = checkpointer.restore(state)
         step, position = int(meta["step"]), int(meta["data_position"])
+        if c.algorithm.ref_sync_steps:  # a run saved before any sync kept the initial one
+            synced = checkpointer.restore_reference(trainer.reference_arguments(), step)
+            ref_params = ref_params if synced is None else synced
         trainer.load_meta(meta)
         logger.info("resuming %s from step %d", run_dir, step)
         changes = changed_settings(meta.get("config", {}), c)
@@ -1302,7 +1323,8 @@ def train(
         nonlocal last_saved
         meta = {"step": done, "data_position": position, "seed": c.train.seed, "config": to_dict(c)}
         meta.update(trainer.meta())
-        checkpointer.save(done, state, meta)
+        reference = ref_params if c.algorithm.ref_sync_steps else None
+        checkpointer.save(done, state, meta, reference=reference)
         last_saved = done
 
     stopped = False
@@ -1326,6 +1348,8 @@ def train(
                         "keep optim.max_grad_norm set, or use model.dtype=float32."
                     )
 
+                if c.algorithm.ref_sync_steps and step % c.algorithm.ref_sync_steps == 0:
+                    ref_params = trainer.synced_reference(ref_params, state.params)
                 if c.train.eval_every and (step % c.train.eval_every == 0 or step == c.train.steps):
                     eval_metrics, samples = trainer.evaluate(state.params)
                     metrics.update(eval_metrics)

@@ -221,3 +221,16 @@ def test_restore_meta_reads_only_the_json(tmp_path):
         assert checkpointer.restore_meta(1) == {"data_position": 3}
         with pytest.raises(FileNotFoundError, match="step 5"):
             checkpointer.restore_meta(5)
+
+
+def test_a_reference_saved_with_a_step_restores_after_reopening(tmp_path):
+    with Checkpointer(tmp_path) as checkpointer:  # async saves, as the trainer's
+        checkpointer.save(1, small_state(1), {"step": 1})
+        checkpointer.save(2, small_state(2), {"step": 2}, reference=small_state(5))
+    with Checkpointer(tmp_path) as checkpointer:
+        target = abstract(small_state(0))
+        assert_same(checkpointer.restore_reference(target, 2), small_state(5))
+        assert checkpointer.restore_reference(target, 1) is None  # saved without one
+        state, meta = checkpointer.restore(target)  # the state alone, as before
+        assert_same(state, small_state(2))
+        assert meta == {"step": 2}

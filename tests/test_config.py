@@ -120,6 +120,16 @@ def test_round_trip_through_yaml(tmp_path):
             ["algorithm.off_policy_mask_threshold=-0.5"],
             r"algorithm\.off_policy_mask_threshold must be >= 0",
         ),
+        (["algorithm.ref_sync_steps=-1"], r"algorithm\.ref_sync_steps must be >= 0"),
+        (
+            ["algorithm.ref_sync_steps=10"],
+            r"algorithm\.ref_sync_steps moves the KL reference, which exists only with "
+            r"algorithm\.beta > 0",
+        ),
+        (
+            ["algorithm.beta=0.1", "algorithm.ref_sync_alpha=0"],
+            r"algorithm\.ref_sync_alpha must be in \(0, 1\], got 0",
+        ),
         (["train.profile_steps=-1"], r"train\.profile_steps must be >= 0"),
         (
             ["train.steps=3", "train.profile_steps=2", "train.profile_start=5"],

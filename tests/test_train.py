@@ -590,6 +590,53 @@ def test_sigterm_saves_exits_zero_and_resumes_exactly(tmp_path, uninterrupted):
     assert_trees_equal(resumed.state, uninterrupted.state)
 
 
+def test_a_moving_reference_is_checkpointed_and_resumes_exactly(tmp_path):
+    """algorithm.ref_sync_steps=1: the reference moves after every step, so a run resumed
+    at step 2 reaches the uninterrupted run's parameters only with the step-2 reference
+    restored from its checkpoint (the initial one would change steps 3 and 4)."""
+    sync = [
+        *RESUME,
+        "algorithm.beta=0.5",
+        "algorithm.ref_sync_steps=1",
+        "train.save_every=2",
+    ]
+    whole = train_module.train(tiny_config(tmp_path / "whole", *sync))
+    train_module.train(tiny_config(tmp_path / "parts", *sync, "train.steps=2"))
+    resumed = train_module.train(tiny_config(tmp_path / "parts", *sync))
+    assert_trees_equal(resumed.state, whole.state)
+    kl = [line["kl"] for line in read_metrics(tmp_path / "whole")]
+    assert kl == [line["kl"] for line in read_metrics(tmp_path / "parts")]
+    assert kl[0] == 0.0 and all(value > 0 for value in kl[1:])  # the policy leads its reference
+    target = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), whole.state.params
+    )
+    from jgrpo.checkpoint import Checkpointer
+
+    with Checkpointer(tmp_path / "whole" / "checkpoints") as checkpointer:
+        reference = checkpointer.restore_reference(target, 4)
+    initial = train_module.Trainer(tiny_config(tmp_path / "whole", *sync)).initial_params()
+
+    def distance(a, b):
+        pairs = zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+        return sum(float(jnp.sum((x - y) ** 2)) for x, y in pairs)
+
+    # 0.6 of the way to the policy after each step: near the step-4 policy (about half a
+    # step's move behind it), far nearer than the initial weights four steps back.
+    to_policy = distance(reference, whole.state.params)
+    assert 0 < to_policy < 0.1 * distance(initial, whole.state.params)
+
+
+def test_the_reference_sync_mixes_in_f32_and_keeps_each_dtype(tmp_path):
+    trainer = train_module.Trainer(
+        tiny_config(tmp_path, "algorithm.beta=0.1", "algorithm.ref_sync_steps=3")
+    )
+    reference = {"w": jnp.array([1.0, 2.0]), "b": jnp.array([4.0], jnp.bfloat16)}
+    params = {"w": jnp.array([3.0, -2.0]), "b": jnp.array([1.5])}
+    mixed = trainer.synced_reference(reference, params)  # alpha 0.6, the default
+    np.testing.assert_allclose(mixed["w"], [0.6 * 3 + 0.4 * 1, 0.6 * -2 + 0.4 * 2], rtol=1e-6)
+    assert mixed["b"].dtype == jnp.bfloat16 and float(mixed["b"][0]) == 2.5  # 0.9 + 1.6
+
+
 # --- Rewards, sampling options and errors inside the loop --------------------------------------
 
 
