@@ -1290,13 +1290,15 @@ def train(
     state = trainer.initial_state(params)
     checkpointer = Checkpointer(run_dir / "checkpoints", keep=c.train.keep_checkpoints)
     step, position = 0, 0
+    reference_moves = c.algorithm.ref_sync_steps > 0  # saved with each checkpoint if so
     latest = checkpointer.latest_step()
     if latest is not None:
         state, meta = checkpointer.restore(state)
         step, position = int(meta["step"]), int(meta["data_position"])
-        if c.algorithm.ref_sync_steps:  # a run saved before any sync kept the initial one
-            synced = checkpointer.restore_reference(trainer.reference_arguments(), step)
-            ref_params = ref_params if synced is None else synced
+        if ref_params is not None:  # a reference that moved: from its checkpoint, sync on or off
+            moved = checkpointer.restore_reference(trainer.reference_arguments(), step)
+            reference_moves = reference_moves or moved is not None
+            ref_params = ref_params if moved is None else moved
         trainer.load_meta(meta)
         logger.info("resuming %s from step %d", run_dir, step)
         changes = changed_settings(meta.get("config", {}), c)
@@ -1323,8 +1325,7 @@ def train(
         nonlocal last_saved
         meta = {"step": done, "data_position": position, "seed": c.train.seed, "config": to_dict(c)}
         meta.update(trainer.meta())
-        reference = ref_params if c.algorithm.ref_sync_steps else None
-        checkpointer.save(done, state, meta, reference=reference)
+        checkpointer.save(done, state, meta, reference=ref_params if reference_moves else None)
         last_saved = done
 
     stopped = False

@@ -624,6 +624,13 @@ def test_a_moving_reference_is_checkpointed_and_resumes_exactly(tmp_path):
     # step's move behind it), far nearer than the initial weights four steps back.
     to_policy = distance(reference, whole.state.params)
     assert 0 < to_policy < 0.1 * distance(initial, whole.state.params)
+    # Resumed with the sync off, the reference stays where it moved to (not the initial one)
+    # and is still saved, so a later resume finds it.
+    train_module.train(
+        tiny_config(tmp_path / "parts", *sync, "algorithm.ref_sync_steps=0", "train.steps=5")
+    )
+    with Checkpointer(tmp_path / "parts" / "checkpoints") as checkpointer:
+        assert_trees_equal(checkpointer.restore_reference(target, 5), reference)
 
 
 def test_the_reference_sync_mixes_in_f32_and_keeps_each_dtype(tmp_path):
