@@ -27,6 +27,7 @@ from jgrpo.distributed import INITIALIZE_CHOICES
 from jgrpo.losses import (
     KL_ESTIMATORS,
     LOSS_TYPES,
+    POLICY_LOSSES,
     RATIO_LEVELS,
     SAMPLER_CORRECTION_LEVELS,
     SAMPLER_CORRECTION_MODES,
@@ -140,6 +141,14 @@ class AlgorithmSection:
     loss_type: str = option("dapo", "aggregation: grpo, bnpo, dapo or dr_grpo")
     clip_eps: float = option(0.2, "PPO clip range below 1")
     clip_eps_high: float | None = option(None, "clip range above 1 (DAPO); None = clip_eps")
+    policy_loss: str = option(
+        "clip",
+        "the policy term: clip (PPO's clipped ratio), cispo (the ratio clipped as a weight "
+        "without gradient; MiniMax-M1) or sapo (a smooth gate; SAPO)",
+    )
+    cispo_max_ratio: float = option(5.0, "cispo: the largest ratio weight (ScaleRL's 5.0)")
+    sapo_temperature_pos: float = option(1.0, "sapo: the gate's temperature where A > 0")
+    sapo_temperature_neg: float = option(1.05, "sapo: the gate's temperature where A <= 0")
     dual_clip: float | None = option(
         None,
         "negative-advantage tokens stop at ratio c (> 1 + clip_eps_high): verl's dual-clip "
@@ -215,6 +224,7 @@ class AlgorithmSection:
             "loss_type": LOSS_TYPES,
             "kl_estimator": KL_ESTIMATORS,
             "ratio_level": RATIO_LEVELS,
+            "policy_loss": POLICY_LOSSES,
             "sampler_correction": ("auto", "none", *SAMPLER_CORRECTION_LEVELS),
             "sampler_correction_mode": SAMPLER_CORRECTION_MODES,
             "std_ddof": STD_DDOFS,
@@ -247,6 +257,19 @@ class AlgorithmSection:
                 "above 1 it would cut the sampler's own tokens), got "
                 f"{self.sampler_correction_floor}."
             )
+        if self.dual_clip is not None and self.policy_loss != "clip":
+            raise ConfigError(
+                "algorithm.dual_clip bounds the clipped policy term, so it needs "
+                f"algorithm.policy_loss=clip, not {self.policy_loss}; set algorithm.dual_clip=null."
+            )
+        if not self.cispo_max_ratio >= 1:
+            raise ConfigError(
+                f"algorithm.cispo_max_ratio must be >= 1 (the largest weight), got "
+                f"{self.cispo_max_ratio}."
+            )
+        for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"algorithm.{name} must be > 0, got {getattr(self, name)}.")
         high = self.clip_eps if self.clip_eps_high is None else self.clip_eps_high
         if self.dual_clip is not None and not self.dual_clip > 1 + high:
             raise ConfigError(

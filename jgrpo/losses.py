@@ -14,6 +14,7 @@ from jgrpo._checks import check_choice, check_shape
 LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 RATIO_LEVELS = ("token", "sequence")
+POLICY_LOSSES = ("clip", "cispo", "sapo")
 SAMPLER_CORRECTION_LEVELS = ("token", "sequence")
 SAMPLER_CORRECTION_MODES = ("truncate", "mask")
 
@@ -171,6 +172,10 @@ def grpo_loss(
     clip_eps: float = 0.2,
     clip_eps_high: float | None = None,
     dual_clip: float | None = None,
+    policy_loss: str = "clip",
+    cispo_max_ratio: float = 5.0,
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
     beta: float = 0.04,
     kl_estimator: str = "k3",
     ratio_level: str = "token",
@@ -188,9 +193,16 @@ def grpo_loss(
         ratio_level="sequence": r_t = exp(masked mean over i of (logprobs - old_logprobs)) (GSPO)
         L_t = -min(r_t A_i, clip(r_t, 1 - clip_eps, 1 + clip_eps_high) A_i) + beta * KL_t
 
-    `dual_clip` c (> 1 + clip_eps_high) bounds the policy term of tokens with A_i < 0 at
-    -c A_i, so a ratio above c gets no gradient (verl's dual-clip `clip_ratio_c`, TRL's
-    `delta`): a token the policy now far prefers no longer pushes the loss without limit.
+    `policy_loss` replaces the clipped term (the first part of L_t) with:
+        "cispo":  -sg(min(r_t, cispo_max_ratio)) A_i logprobs_t, the ratio clipped as a weight
+                  with no gradient, so every token keeps a gradient (MiniMax-M1; ScaleRL)
+        "sapo":   -sigmoid(tau (r_t - 1)) 4 / tau A_i, a smooth gate in place of the clip,
+                  tau = sapo_temperature_pos where A_i > 0, else sapo_temperature_neg (SAPO)
+    Both have the clipped term's gradient on-policy (r = 1): -A_i grad logprobs_t.
+
+    `dual_clip` c (> 1 + clip_eps_high; "clip" only) bounds the policy term of tokens with
+    A_i < 0 at -c A_i, so a ratio above c gets no gradient (verl's dual-clip `clip_ratio_c`,
+    TRL's `delta`): a token the policy now far prefers no longer pushes the loss without limit.
 
     KL_t is `token_kl(logprobs, ref_logprobs, kl_estimator=...)`. On-policy (one update per
     rollout) pass `old_logprobs=jax.lax.stop_gradient(logprobs)`, so r = 1 with gradient.
@@ -220,6 +232,7 @@ def grpo_loss(
     check_choice("loss_type", loss_type, LOSS_TYPES)
     check_choice("kl_estimator", kl_estimator, KL_ESTIMATORS)
     check_choice("ratio_level", ratio_level, RATIO_LEVELS)
+    check_choice("policy_loss", policy_loss, POLICY_LOSSES)
     check_shape("logprobs", logprobs, ndim=2)
     check_shape("old_logprobs", old_logprobs, like=("logprobs", logprobs))
     check_shape("mask", mask, like=("logprobs", logprobs))
@@ -244,6 +257,17 @@ def grpo_loss(
         raise ValueError(f"clip_eps_high must be > 0 (None means clip_eps), got {clip_eps_high}.")
     if max_completion_length is not None and max_completion_length < 1:
         raise ValueError(f"max_completion_length must be >= 1, got {max_completion_length}.")
+    if dual_clip is not None and policy_loss != "clip":
+        raise ValueError(f"dual_clip bounds the clipped term, not policy_loss={policy_loss!r}.")
+    if not cispo_max_ratio >= 1:
+        raise ValueError(
+            f"cispo_max_ratio must be >= 1 (the largest weight), got {cispo_max_ratio}."
+        )
+    if not (sapo_temperature_pos > 0 and sapo_temperature_neg > 0):
+        raise ValueError(
+            "sapo_temperature_pos and sapo_temperature_neg must be > 0, got "
+            f"{sapo_temperature_pos} and {sapo_temperature_neg}."
+        )
     if dual_clip is not None and not dual_clip > 1 + clip_eps_high:
         raise ValueError(
             f"dual_clip must be > 1 + clip_eps_high = {1 + clip_eps_high} (the ratio above which "
@@ -264,7 +288,14 @@ def grpo_loss(
 
     adv = advantages.astype(jnp.float32)[:, None]  # [B, 1]
     clipped_ratio = jnp.clip(ratio, 1.0 - clip_eps, 1.0 + clip_eps_high)
-    per_token = -jnp.minimum(ratio * adv, clipped_ratio * adv)  # [B, T]
+    if policy_loss == "cispo":
+        weight = jax.lax.stop_gradient(jnp.minimum(ratio, cispo_max_ratio))
+        per_token = -weight * adv * logprobs  # [B, T]
+    elif policy_loss == "sapo":
+        tau = jnp.where(adv > 0, sapo_temperature_pos, sapo_temperature_neg)  # [B, 1]
+        per_token = -jax.nn.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * adv  # [B, T]
+    else:
+        per_token = -jnp.minimum(ratio * adv, clipped_ratio * adv)  # [B, T]
     if dual_clip is not None:
         per_token = jnp.where(adv < 0, jnp.minimum(per_token, -dual_clip * adv), per_token)
     if policy_mask is not None:

@@ -68,6 +68,10 @@ class UpdateConfig:
     clip_eps: float = 0.2
     clip_eps_high: float | None = None
     dual_clip: float | None = None  # A < 0: the policy term stops at -dual_clip x A
+    policy_loss: str = "clip"  # or "cispo", "sapo" (grpo_loss)
+    cispo_max_ratio: float = 5.0
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
     beta: float = 0.0  # KL penalty in the loss; 0 = no reference model
     kl_estimator: str = "k3"
     kl_bias_correction: bool = False  # KL term weighted by the ratio (unbiased gradient)
@@ -429,6 +433,10 @@ def train_step(
             clip_eps=cfg.clip_eps,
             clip_eps_high=cfg.clip_eps_high,
             dual_clip=cfg.dual_clip,
+            policy_loss=cfg.policy_loss,
+            cispo_max_ratio=cfg.cispo_max_ratio,
+            sapo_temperature_pos=cfg.sapo_temperature_pos,
+            sapo_temperature_neg=cfg.sapo_temperature_neg,
             beta=cfg.beta,
             kl_estimator=cfg.kl_estimator,
             kl_bias_correction=cfg.kl_bias_correction,

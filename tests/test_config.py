@@ -130,6 +130,14 @@ def test_round_trip_through_yaml(tmp_path):
             ["algorithm.beta=0.1", "algorithm.ref_sync_alpha=0"],
             r"algorithm\.ref_sync_alpha must be in \(0, 1\], got 0",
         ),
+        (["algorithm.policy_loss=ppo"], r"algorithm\.policy_loss must be one of 'clip', 'cispo'"),
+        (
+            ["algorithm.policy_loss=cispo", "algorithm.dual_clip=3"],
+            r"algorithm\.dual_clip bounds the clipped policy term, so it needs "
+            r"algorithm\.policy_loss=clip, not cispo",
+        ),
+        (["algorithm.cispo_max_ratio=0.5"], r"algorithm\.cispo_max_ratio must be >= 1"),
+        (["algorithm.sapo_temperature_neg=0"], r"algorithm\.sapo_temperature_neg must be > 0"),
         (["train.profile_steps=-1"], r"train\.profile_steps must be >= 0"),
         (
             ["train.steps=3", "train.profile_steps=2", "train.profile_start=5"],

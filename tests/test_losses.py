@@ -166,6 +166,58 @@ def test_kl_bias_correction_gives_the_reverse_kl_gradient_on_policy():
     )
 
 
+def policy_term(policy_loss, logprobs, old, advantages, **kwargs):
+    """bnpo loss of the policy term alone (beta 0), and its gradient in the logprobs."""
+    mask = jnp.ones_like(logprobs)
+
+    def loss(lp):
+        return jgrpo.grpo_loss(
+            lp, old, advantages, mask, beta=0.0, loss_type="bnpo", policy_loss=policy_loss, **kwargs
+        )[0]
+
+    return loss(logprobs), jax.grad(loss)(logprobs)
+
+
+def test_cispo_clips_the_ratio_as_a_weight_without_gradient():
+    logprobs = jnp.array([[-1.0, -2.0, -0.5], [-1.0, -2.0, -0.5]])
+    ratios = np.array([2.0, 6.0, 1.0])  # the middle one above cispo_max_ratio = 5
+    old = logprobs - jnp.log(jnp.asarray(ratios))
+    advantages = jnp.array([1.0, -0.5])
+    value, grad = policy_term("cispo", logprobs, old, advantages)
+    # -min(r, 5) A logprob per token: row 0 2 + 10 + 0.5 = 12.5, row 1 -0.5 x that.
+    np.testing.assert_allclose(value, (12.5 - 6.25) / 6, rtol=1e-6)
+    # d/dlogprob = -min(r, 5) A / 6: the weight carries no gradient, no token is cut off.
+    np.testing.assert_allclose(grad, np.array([[-2.0, -5.0, -1.0], [1.0, 2.5, 0.5]]) / 6, rtol=1e-5)
+
+
+def test_sapo_gates_the_ratio_smoothly():
+    logprobs = jnp.array([[-1.0, -2.0], [-1.0, -2.0]])
+    ratios = np.array([1.5, 0.5])
+    old = logprobs - jnp.log(jnp.asarray(ratios))
+    advantages = np.array([1.0, -0.5])
+    value, grad = policy_term(
+        "sapo", logprobs, old, jnp.asarray(advantages), sapo_temperature_neg=2.0
+    )
+    tau = np.array([[1.0], [2.0]])  # A > 0: the positive temperature; else the negative one
+    gate = 1 / (1 + np.exp(-tau * (ratios - 1)))  # [2, 2]
+    a = advantages[:, None]
+    np.testing.assert_allclose(value, (-gate * 4 / tau * a).sum() / 4, rtol=1e-6)
+    # d/dlogprob of -sigmoid(tau (r - 1)) 4 / tau A = -4 A sigmoid (1 - sigmoid) r
+    np.testing.assert_allclose(grad, -4 * a * gate * (1 - gate) * ratios / 4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("policy_loss", ["clip", "cispo", "sapo"])
+def test_every_policy_loss_has_the_policy_gradient_on_policy(policy_loss):
+    logprobs, _, advantages, mask = arrays()
+    grad = jax.grad(
+        lambda lp: jgrpo.grpo_loss(
+            lp, jax.lax.stop_gradient(lp), advantages, mask, beta=0.0, policy_loss=policy_loss
+        )[0]
+    )(logprobs)
+    expected = -np.array(ADVANTAGES)[:, None] * np.array(MASK) / np.array([[2], [3]]) / 2
+    np.testing.assert_allclose(grad, expected, rtol=1e-6)
+
+
 def test_dual_clip_stops_negative_advantage_tokens_above_c():
     """A < 0: the token loss is -A max(r, clip(r)) up to c, then -A c with no gradient;
     A > 0 keeps its clip at 1 + clip_eps_high."""
@@ -395,6 +447,10 @@ def test_total_tokens_may_be_a_traced_array():
         (dict(clip_eps_high=-0.1), "clip_eps_high must be > 0"),
         (dict(dual_clip=1.2), r"dual_clip must be > 1 \+ clip_eps_high = 1.2"),
         (dict(policy_mask=jnp.ones((2, 4))), "policy_mask must have the same shape as logprobs"),
+        (dict(policy_loss="ppo"), "policy_loss must be one of 'clip', 'cispo', 'sapo'"),
+        (dict(policy_loss="sapo", dual_clip=3.0), "dual_clip bounds the clipped term"),
+        (dict(cispo_max_ratio=0.5), "cispo_max_ratio must be >= 1"),
+        (dict(sapo_temperature_neg=0.0), "sapo_temperature_pos and sapo_temperature_neg"),
         (
             dict(old_logprobs=jnp.zeros((2, 4))),
             r"old_logprobs must have the same shape as logprobs",

@@ -905,14 +905,22 @@ def test_the_loss_options_reach_the_update_config():
             "algorithm.dual_clip=3",
             "algorithm.top_entropy_quantile=0.2",
             "algorithm.off_policy_mask_threshold=0.5",
+            "algorithm.cispo_max_ratio=4",
+            "algorithm.sapo_temperature_pos=0.5",
+            "algorithm.sapo_temperature_neg=1.5",
         ],
     )
     update = train_module.update_config_of(config, beta_in_loss=0.04)
     assert update.kl_bias_correction and update.dual_clip == 3.0
     assert update.top_entropy_quantile == 0.2 and update.off_policy_mask_threshold == 0.5
+    assert update.cispo_max_ratio == 4.0
+    assert (update.sapo_temperature_pos, update.sapo_temperature_neg) == (0.5, 1.5)
+    sapo = load_config(None, ["algorithm.policy_loss=sapo"])
+    assert train_module.update_config_of(sapo, beta_in_loss=0.0).policy_loss == "sapo"
     default = train_module.update_config_of(load_config(None, []), beta_in_loss=0.0)
     assert not default.kl_bias_correction and default.dual_clip is None
     assert default.top_entropy_quantile == 1.0 and default.off_policy_mask_threshold is None
+    assert default.policy_loss == "clip"
     metrics = train_module._update_metrics(
         {"clip_frac_dual": np.array([[0.25, 0.75]]), "off_policy_masked_frac": np.array([[0.5]])}
     )

@@ -239,6 +239,25 @@ def test_off_policy_mask_threshold_leaves_out_drifted_negative_rows(params):
     )
 
 
+def test_the_policy_loss_reaches_the_update(params):
+    """On-policy (r = 1) the three policy terms have one gradient but their own values:
+    clip -A, cispo -A logprob, sapo -sigmoid(0) 4 / tau A = -2 A / tau; dapo's token mean."""
+    batch, _ = rollout_batch(params)
+    logprobs = logprobs_under(params, batch)
+    mask = np.asarray(batch.completion_mask, np.float32)
+    a = np.asarray(batch.advantages)[:, None]
+    tau = np.where(a > 0, 1.0, 2.0)
+    expected = {
+        "clip": -a * np.ones_like(logprobs),
+        "cispo": -a * logprobs,
+        "sapo": -2.0 / tau * a * np.ones_like(logprobs),
+    }
+    for policy_loss, per_token in expected.items():
+        _, metrics = step(params, batch, policy_loss=policy_loss, sapo_temperature_neg=2.0)
+        want = (per_token * mask).sum() / mask.sum()
+        np.testing.assert_allclose(metrics["loss"], want, rtol=1e-5, atol=1e-6)
+
+
 def test_a_bf16_reference_moves_only_the_kl_term(params):
     """ref_params with bf16 weight matrices and embeddings (`with_rounded_weights`, what
     model.reference_dtype=bfloat16 stores): the reference log-probs move by bf16 rounding, so
