@@ -117,15 +117,20 @@ def reference():
     return jax.tree.map(np.asarray, result)
 
 
-def sgd_step(params, batch, update_config=UPDATE):
-    """One train_step with SGD from a copy of `params`: (new parameters, loss)."""
-    state, metrics = train_step(
+def sgd_update(params, batch, update_config=UPDATE):
+    """One train_step with SGD from a copy of `params`: (new state, metrics)."""
+    return train_step(
         init_state(jax.tree.map(jnp.copy, params), SGD),
         batch,
         model_config=CONFIG,
         update_config=update_config,
         optimizer=SGD,
     )
+
+
+def sgd_step(params, batch, update_config=UPDATE):
+    """`sgd_update`'s (new parameters, loss)."""
+    state, metrics = sgd_update(params, batch, update_config)
     return state.params, metrics["loss"]
 
 
@@ -238,13 +243,7 @@ def test_token_and_row_masks_on_a_mesh_equal_one_device(shape):
     update = UpdateConfig(
         beta=0.0, dual_clip=3.0, top_entropy_quantile=0.5, off_policy_mask_threshold=0.5
     )
-    state, metrics = train_step(
-        init_state(jax.tree.map(jnp.copy, expected["params"]), SGD),
-        batch,
-        model_config=CONFIG,
-        update_config=update,
-        optimizer=SGD,
-    )
+    state, metrics = sgd_update(expected["params"], batch, update)
     negative = np.asarray(batch.advantages) < 0
     masked = (negative & np.asarray(drifted[:, 0])).mean()  # every row has completion tokens
     assert masked > 0
@@ -253,13 +252,7 @@ def test_token_and_row_masks_on_a_mesh_equal_one_device(shape):
     params, _, _ = placed(expected, mesh)
     sharded_batch = jax.device_put(batch, batch_shardings(batch, mesh))
     with rules_context(mesh):
-        sharded_state, sharded_metrics = train_step(
-            init_state(jax.tree.map(jnp.copy, params), SGD),
-            sharded_batch,
-            model_config=CONFIG,
-            update_config=update,
-            optimizer=SGD,
-        )
+        sharded_state, sharded_metrics = sgd_update(params, sharded_batch, update)
     for name in ("loss", "off_policy_masked_frac", "entropy"):
         np.testing.assert_allclose(sharded_metrics[name], metrics[name], **TOLERANCE)
     jax.tree.map(
