@@ -134,8 +134,9 @@ class Checkpointer:
         `restore` does the state); None when that step was saved without one."""
         self._check_open()
         self.wait()
-        if not (self.directory / str(step) / "reference").exists():
+        if self._manager.item_metadata(step).get("reference") is None:
             return None
+        self._check_target(step, abstract_reference, item="reference")
         restored = self._manager.restore(
             step,
             args=ocp.args.Composite(reference=ocp.args.StandardRestore(abstract_reference)),
@@ -174,13 +175,14 @@ class Checkpointer:
         if self._closed:
             raise RuntimeError(f"The Checkpointer of {self.directory} is closed.")
 
-    def _check_target(self, step: int, abstract_state: Any) -> None:
-        """Raises ValueError naming every leaf whose path or shape differs from the stored one.
+    def _check_target(self, step: int, abstract_state: Any, item: str = "state") -> None:
+        """Raises ValueError naming every leaf whose path or shape differs from the stored
+        `item` (the state, or the reference).
 
         Orbax names neither the leaf nor the directory on a shape mismatch, and it would put
         leaves without a sharding on one device (a full model on device 0).
         """
-        stored = ocp.tree.to_flat_dict(self._manager.item_metadata(step).state)
+        stored = ocp.tree.to_flat_dict(self._manager.item_metadata(step)[item])
         target = ocp.tree.to_flat_dict(abstract_state)
         name = ".".join
         shape = lambda leaf: tuple(getattr(leaf, "shape", ()))  # () for Python scalars
@@ -196,7 +198,7 @@ class Checkpointer:
             listed = "\n  ".join(problems[:_MAX_LISTED])
             more = len(problems) - _MAX_LISTED
             raise ValueError(
-                f"Checkpoint step {step} in {self.directory} does not match the target state "
+                f"Checkpoint step {step} in {self.directory} does not match the target {item} "
                 f"(a different model or optimizer?):\n  {listed}"
                 + (f"\n  ... and {more} more" if more > 0 else "")
             )

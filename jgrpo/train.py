@@ -274,26 +274,17 @@ def packing_obstacle(config: Config, *, grad_accumulation: int, batch_shards: in
 
 
 def update_config_of(config: Config, *, beta_in_loss: float, batch_shards: int = 1) -> UpdateConfig:
-    """The update's settings; `batch_shards` is the mesh's data x fsdp size."""
+    """The update's settings: each algorithm setting the update has a field of the same name
+    for, and those the rest of the config decides; `batch_shards` is the mesh's data x fsdp
+    size."""
     algo = config.algorithm
-    return UpdateConfig(
-        num_iterations=algo.num_iterations,
-        num_minibatches=algo.num_minibatches,
-        grad_accumulation=algo.grad_accumulation,
-        loss_type=algo.loss_type,
-        clip_eps=algo.clip_eps,
-        clip_eps_high=algo.clip_eps_high,
-        dual_clip=algo.dual_clip,
-        policy_loss=algo.policy_loss,
-        cispo_max_ratio=algo.cispo_max_ratio,
-        sapo_temperature_pos=algo.sapo_temperature_pos,
-        sapo_temperature_neg=algo.sapo_temperature_neg,
-        beta=beta_in_loss,
-        kl_estimator=algo.kl_estimator,
-        kl_bias_correction=algo.kl_bias_correction,
-        top_entropy_quantile=algo.top_entropy_quantile,
-        off_policy_mask_threshold=algo.off_policy_mask_threshold,
-        ratio_level=algo.ratio_level,
+    same_names = {f.name for f in dataclasses.fields(UpdateConfig)} & {
+        f.name for f in dataclasses.fields(algo)
+    }
+    settings = {name: getattr(algo, name) for name in same_names}
+    settings.update(
+        beta=beta_in_loss,  # 0 when the KL goes into the reward
+        sampler_correction=config.sampler_correction,  # `auto` resolved
         temperature=config.rollout.temperature,
         shared_prompt_rows=shared_prompt_rows(
             config, grad_accumulation=algo.grad_accumulation, batch_shards=batch_shards
@@ -302,11 +293,8 @@ def update_config_of(config: Config, *, beta_in_loss: float, batch_shards: int =
         keep_logits_mib=config.model.keep_logits_mib,
         # dr_grpo divides by the length limit, not by a trimmed batch's width
         max_completion_length=config.rollout.max_new_tokens,
-        sampler_correction=config.sampler_correction,
-        sampler_correction_cap=algo.sampler_correction_cap,
-        sampler_correction_mode=algo.sampler_correction_mode,
-        sampler_correction_floor=algo.sampler_correction_floor,
     )
+    return UpdateConfig(**settings)
 
 
 def completion_widths(max_new_tokens: int, buckets: int) -> tuple[int, ...]:

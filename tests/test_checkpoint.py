@@ -231,6 +231,9 @@ def test_a_reference_saved_with_a_step_restores_after_reopening(tmp_path):
         target = abstract(small_state(0))
         assert_same(checkpointer.restore_reference(target, 2), small_state(5))
         assert checkpointer.restore_reference(target, 1) is None  # saved without one
+        wrong = abstract({"w": jnp.zeros((4, 4)), "count": jnp.array(0, jnp.int32)})
+        with pytest.raises(ValueError, match=r"target reference .*\n  w: shape \(8, 4\) in the"):
+            checkpointer.restore_reference(wrong, 2)
         state, meta = checkpointer.restore(target)  # the state alone, as before
         assert_same(state, small_state(2))
         assert meta == {"step": 2}
