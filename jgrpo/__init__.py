@@ -1,8 +1,8 @@
 """jgrpo: JAX-native GRPO. The pure objective (advantages, loss, log-probs) is importable alone.
 
-Sampling, generation and the update step build on the `models` package (Flax); they are
-imported on first use,
-so `import jgrpo` alone stays free of Flax for codebases that only want the objective.
+Sampling, generation and the update step build on `jgrpo.models` (Flax; the repository's
+`models/` folder, installed under jgrpo's name); they are imported on first use, so
+`import jgrpo` alone stays free of Flax for codebases that only want the objective.
 """
 
 import importlib

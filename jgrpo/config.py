@@ -52,7 +52,7 @@ def option(default: Any, help: str) -> Any:  # noqa: A002 (the natural name for 
 
 @dataclasses.dataclass(frozen=True)
 class ModelSection:
-    """The policy: a Hugging Face checkpoint, or a `models` preset initialised at random."""
+    """The policy: a Hugging Face checkpoint, or a `jgrpo.models` preset initialised at random."""
 
     path: str | None = option(None, "HF checkpoint directory or hub name; None: the preset")
     preset: str = option("tiny", "models preset used when path is None (random init)")

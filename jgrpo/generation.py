@@ -108,13 +108,13 @@ def generate(
     key: jax.Array | int = 0,
     buckets: Sequence[int] = DEFAULT_BUCKETS,
 ) -> Generations:
-    """G completions of each prompt from a `models.Transformer`, decoded to text.
+    """G completions of each prompt from a `jgrpo.models.Transformer`, decoded to text.
 
     Prompts are tokenized, left-padded to the smallest of `buckets` that holds the longest
     (so prompts of similar length reuse one compiled program) and sampled by `rollout`.
 
     Args:
-      model: a `models.Transformer`, e.g. from `models.from_pretrained`.
+      model: a `jgrpo.models.Transformer`, e.g. from `jgrpo.models.from_pretrained`.
       tokenizer: its Hugging Face tokenizer (chat messages need a chat template).
       prompts: plain strings, or chat messages `[{"role": ..., "content": ...}]`; a single
         string is one prompt.
@@ -190,7 +190,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     from transformers import AutoTokenizer
 
-    import models
+    from jgrpo import models
 
     model = models.from_pretrained(args.model, dtype=jnp.dtype(args.dtype))
     tokenizer = AutoTokenizer.from_pretrained(models.hf.resolve(args.model))

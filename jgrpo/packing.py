@@ -5,7 +5,7 @@ layers run on every column (`algorithm.completion_buckets` only drops the column
 row uses). With `algorithm.pack_completions`, the completions of each group are placed,
 longest first, into the first of Gb rows of N slots with room for them (first-fit
 decreasing), several short ones to a row. The shared-prompt forward
-(`models.group_forward`) then runs the group's prompt and its Gb packed rows, and each
+(`jgrpo.models.group_forward`) then runs the group's prompt and its Gb packed rows, and each
 token attends only to its prompt and its own completion's earlier tokens, so log-probs,
 loss and gradients equal the padded batch's up to rounding.
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from models.group_forward import PackedCompletions
+from jgrpo.models.group_forward import PackedCompletions
 
 
 def packed_row_counts(group_size: int) -> tuple[int, ...]:

@@ -235,14 +235,14 @@ def reward_model_memory(config, mesh) -> tuple[int, int]:
     if rm.path is None:
         return 0, 0
     from jgrpo.generation import DEFAULT_BUCKETS, bucket_length
-    from jgrpo.rewards.model_reward import scoring_rows
-    from jgrpo.sharding import row_shardings, tree_shardings
-    from models.reward_model import (
+    from jgrpo.models.reward_model import (
         read_reward_config,
         reward_param_axes,
         reward_param_shapes,
         score_sequences,
     )
+    from jgrpo.rewards.model_reward import scoring_rows
+    from jgrpo.sharding import row_shardings, tree_shardings
 
     rm_config = read_reward_config(rm.path)
     shapes = reward_param_shapes(rm_config, jnp.dtype(rm.dtype))

@@ -1,5 +1,5 @@
 """Group sampling as one compiled program: prefill each prompt once, decode its G rows against
-that one prompt cache (`models.group_decode`) in a `jax.lax.while_loop` that stops when every
+that one prompt cache (`jgrpo.models.group_decode`) in a `jax.lax.while_loop` that stops when every
 row has stopped.
 
 Shapes: P prompts, G generations per prompt, L (bucketed) prompt length, N new tokens,
@@ -22,9 +22,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jgrpo.sharding import traced_shard_count
-from models.config import ModelConfig
-from models.group_decode import (
+from jgrpo.models.config import ModelConfig
+from jgrpo.models.group_decode import (
     cache_bytes_per_slot,
     decode_layers,
     decode_logits,
@@ -33,7 +32,8 @@ from models.group_decode import (
     prefill,
     unembedding_rows,
 )
-from models.transformer import logits_from_hidden, rope_tables, with_matmul_unembedding
+from jgrpo.models.transformer import logits_from_hidden, rope_tables, with_matmul_unembedding
+from jgrpo.sharding import traced_shard_count
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,7 +191,7 @@ def attention_phases(max_new_tokens: int, cache_bytes: int | None = None) -> lis
 def kv_cache_bytes(rows: int, slots: int, config: ModelConfig, dtype) -> int:
     """Bytes of KV cache (`rows` rows of `slots` slots, every layer's keys and values) that
     one device holds. Under a mesh and logical rules (`jgrpo.sharding.rules_context`) the
-    caches split as `models.group_decode` places them: rows over the batch axes and kv heads
+    caches split as `jgrpo.models.group_decode` places them: rows over the batch axes and kv heads
     over `tensor`, where those axes divide them. Used by the rollout (while tracing) and the
     memory plan."""
     total = rows * slots * cache_bytes_per_slot(config, dtype)
@@ -212,7 +212,7 @@ def rollout(
     """G completions for each prompt, sampled by the model with parameters `params`.
 
     Args:
-      params: the model's parameters, e.g. `models.Transformer.params()`.
+      params: the model's parameters, e.g. `jgrpo.models.Transformer.params()`.
       key: a PRNG key; draw a fresh one for every rollout.
       model_config: static, like num_generations and sampling: a new value compiles anew.
 
@@ -228,7 +228,7 @@ def rollout(
     With `sampling.weights_dtype="bfloat16"` the weight matrices are cast to bf16 and every
     product accumulates in f32: decoding reads half the bytes, and tokens and their log-probs
     come from the policy with its matrices rounded to bf16, as under
-    `models.transformer.with_matmul_weights` (the update scores them with the f32
+    `jgrpo.models.transformer.with_matmul_weights` (the update scores them with the f32
     parameters). The cast is fused into the passes that read the f32 weights anyway: the
     decode layout (`decode_layers`, once per rollout) and the prefill's layer loop
     (`forward(..., matmul_dtype=...)`, a layer at a time); a cast stacked copy cost XLA:CPU

@@ -10,7 +10,7 @@ Batches (prompts, completions, KV caches) are split over data x fsdp. Rows of a 
 the device of their prompt: a group is never split across devices.
 
 The models name every dimension (`layers`, `embed`, `heads`, ...; see
-`models.transformer.param_axes`); `LOGICAL_RULES` maps those names to mesh axes. A dimension
+`jgrpo.models.transformer.param_axes`); `LOGICAL_RULES` maps those names to mesh axes. A dimension
 that a mesh axis does not divide (say 2 kv heads over tensor = 4) stays whole on each device:
 `logical_sharding` drops that mesh axis for that array only.
 """

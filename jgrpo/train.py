@@ -51,6 +51,8 @@ from jgrpo.generation import encode_prompts, pad_prompts, stop_token_ids
 from jgrpo.huge_pages import reexec_with_huge_pages
 from jgrpo.losses import sequence_kl
 from jgrpo.metrics import MetricsWriter, ProgressBar
+from jgrpo.models.group_forward import PackedCompletions
+from jgrpo.models.transformer import with_rounded_weights
 from jgrpo.packing import completion_lengths, pack_completions, packed_row_counts, rows_needed
 from jgrpo.plan import check_memory
 from jgrpo.rewards import Scores, score_completions
@@ -74,8 +76,6 @@ from jgrpo.update import (
     make_optimizer,
     train_step,
 )
-from models.group_forward import PackedCompletions
-from models.transformer import with_rounded_weights
 
 logger = logging.getLogger("jgrpo.train")
 
@@ -144,7 +144,7 @@ def load_policy(config: Config, task: tasks.Task, mesh=None):
     """
     from flax import nnx
 
-    import models
+    from jgrpo import models
 
     dtype = jnp.dtype(config.model.dtype)
 
@@ -556,7 +556,7 @@ class Trainer:
     def setup_shardings(self) -> None:
         """The shardings of every array the loop keeps, and the jitted update with explicit
         in/out shardings (the state donated)."""
-        import models
+        from jgrpo import models
 
         self.rows, self.row_matrix = row_shardings(self.mesh)  # [B] and [B, T] arrays
         packed = None
@@ -1403,7 +1403,7 @@ def evaluate(
 
 def export(trainer: Trainer, params, directory: pathlib.Path) -> pathlib.Path:
     """The trained policy as an HF checkpoint (config, safetensors, tokenizer)."""
-    import models
+    from jgrpo import models
 
     trainer.model.load_params(params)
     models.save_pretrained(trainer.model, directory)

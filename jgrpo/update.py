@@ -31,14 +31,14 @@ from jgrpo.losses import (
     off_policy_mask,
     sampler_weights,
 )
-from jgrpo.sharding import traced_shard_count
-from models.config import ModelConfig
-from models.group_forward import (
+from jgrpo.models.config import ModelConfig
+from jgrpo.models.group_forward import (
     PackedCompletions,
     group_completion_hidden,
     packed_head_inputs,
 )
-from models.transformer import forward, unembedding, with_matmul_weights
+from jgrpo.models.transformer import forward, unembedding, with_matmul_weights
+from jgrpo.sharding import traced_shard_count
 
 # MiB of f32 log-prob logits per device the update keeps for its backward pass (`keeps_logits`).
 KEEP_LOGITS_MIB = 512.0
@@ -51,7 +51,7 @@ class UpdateConfig:
     `shared_prompt_rows` = G > 1 promises that every G consecutive rows of the batch repeat
     one prompt (prompt-major rows, as `jgrpo.rollout` returns them) and that each
     micro-batch holds whole groups. The layers then run each prompt once for its group and
-    its G completions on top (`models.group_forward`): the same log-probs and gradients up to
+    its G completions on top (`jgrpo.models.group_forward`): the same log-probs and gradients up to
     float rounding, with about half the tokens when the prompt is as long as the completion.
     The training loop sets it (`algorithm.shared_prompt_forward`, on by default) whenever
     micro-batches and batch shards hold whole groups.
@@ -233,7 +233,7 @@ def completion_logprobs(
     otherwise (`jgrpo.chunked_token_logprobs`), with the same results to float rounding.
 
     `shared_prompt_rows` = G > 1 promises that each G consecutive rows repeat one prompt;
-    the prompt then runs once per group (`models.group_forward`), with equal results. A
+    the prompt then runs once per group (`jgrpo.models.group_forward`), with equal results. A
     `batch.packed` packing then runs each group's completions in its packed rows, and the
     log-prob head reads the packed tokens rather than every padded position.
 
@@ -241,7 +241,7 @@ def completion_logprobs(
     inside the program (`with_matmul_weights`; the parameters, and so their gradients and
     the optimizer state, stay f32), and every matrix product of the layers and the
     unembedding, forward and backward, takes bf16 operands and sums in f32
-    (`models.transformer.mixed_matmul`). Activations, norms, attention and the softmax
+    (`jgrpo.models.transformer.mixed_matmul`). Activations, norms, attention and the softmax
     stay f32.
     """
     if matmul_dtype != "float32":
@@ -338,7 +338,7 @@ def train_step(
       state: donated: its buffers are reused for the result, so do not read it afterwards.
       batch: B rows; B must split into num_minibatches x grad_accumulation equal parts.
       ref_params: the frozen reference parameters; required when update_config.beta > 0.
-        Its weight matrices and embeddings may be bf16 (`models.transformer.
+        Its weight matrices and embeddings may be bf16 (`jgrpo.models.transformer.
         with_rounded_weights(params, jnp.bfloat16)`, what model.reference_dtype=bfloat16
         keeps): half the memory, and the reference pass multiplies bf16 operands with f32
         sums.

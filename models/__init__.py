@@ -1,10 +1,10 @@
 """Flax NNX decoders (Llama, Qwen2/2.5, Qwen3) with Hugging Face checkpoint import/export,
 and sequence-classification reward models on the same decoder."""
 
-from models.config import PRESETS, Llama3RopeScaling, ModelConfig, preset
-from models.hf import CheckpointError, from_pretrained, save_pretrained
-from models.reward_model import RewardModel, load_reward_model
-from models.transformer import KVCache, Transformer, forward, init_cache
+from jgrpo.models.config import PRESETS, Llama3RopeScaling, ModelConfig, preset
+from jgrpo.models.hf import CheckpointError, from_pretrained, save_pretrained
+from jgrpo.models.reward_model import RewardModel, load_reward_model
+from jgrpo.models.transformer import KVCache, Transformer, forward, init_cache
 
 __all__ = [
     "PRESETS",

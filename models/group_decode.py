@@ -18,7 +18,7 @@ feature-major hidden states (on a 2-core AMD host 13-14 ms a step for 32 rows of
 vocabulary, against 18-23 ms with the table as the right operand).
 
 Rows are prompt-major (row p * G + g answers prompt p). Dimension letters as in
-`models.transformer`, plus P prompts, Lp prompt slots, N completion slots.
+`jgrpo.models.transformer`, plus P prompts, Lp prompt slots, N completion slots.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from models.config import ModelConfig
-from models.transformer import (
+from jgrpo.models.config import ModelConfig
+from jgrpo.models.transformer import (
     _MASKED,
     apply_rope,
     constrain,

@@ -17,7 +17,7 @@ SmolLM2-135M workload's no slower (docs/benchmarks.md). The prompt's keys and va
 repeated for its G rows before attention ([B, K, Lp, D] per layer): in training, attention
 is a small share of the work next to the projections, and the copy lets the completions
 reuse `grouped_query_attention` (decoding reads one shared copy instead:
-`models.group_decode`).
+`jgrpo.models.group_decode`).
 
 Packed completions (`PackedCompletions`, `jgrpo.packing`) put several short completions of a
 group into one row of N slots, so the prompt is followed by Gb <= G packed rows: a token
@@ -25,8 +25,8 @@ then attends to its own completion's earlier tokens only, at its padded row's po
 `packed_head_inputs` hands the log-prob head only the positions that predict a token.
 
 Rows are prompt-major (row p * G + g answers prompt p). Dimension letters as in
-`models.transformer`, plus P prompts, Lp prompt tokens, N completion tokens, G rows per prompt,
-Gb packed rows per prompt.
+`jgrpo.models.transformer`, plus P prompts, Lp prompt tokens, N completion tokens, G rows per
+prompt, Gb packed rows per prompt.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from models.config import ModelConfig
-from models.transformer import (
+from jgrpo.models.config import ModelConfig
+from jgrpo.models.transformer import (
     finish_layer,
     grouped_query_attention,
     input_embeddings,

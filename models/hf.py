@@ -26,8 +26,8 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from models.config import ModelConfig
-from models.transformer import Transformer, layer_param_specs
+from jgrpo.models.config import ModelConfig
+from jgrpo.models.transformer import Transformer, layer_param_specs
 
 # Our parameter -> HF tensor name; "{i}" is the layer index of a stacked layer parameter.
 _LAYER = "model.layers.{i}."

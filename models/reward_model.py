@@ -27,9 +27,9 @@ import jax
 import jax.numpy as jnp
 from safetensors import safe_open
 
-from models.config import ModelConfig
-from models.hf import CheckpointError, _tensor_files, read_parameters, resolve
-from models.transformer import forward, layer_param_specs, param_axes
+from jgrpo.models.config import ModelConfig
+from jgrpo.models.hf import CheckpointError, _tensor_files, read_parameters, resolve
+from jgrpo.models.transformer import forward, layer_param_specs, param_axes
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForSequenceClassification",

@@ -26,7 +26,7 @@ import numpy as np
 from flax import nnx
 from jax.experimental.layout import Layout, with_layout_constraint
 
-from models.config import ModelConfig
+from jgrpo.models.config import ModelConfig
 
 _MASKED = float(np.finfo(np.float32).min)  # finite: a fully masked row gives no NaN
 
@@ -154,7 +154,7 @@ class Transformer(nnx.Module):
     """Token ids in, logits (or final hidden states) out, with an optional KV cache.
 
     `rngs` seeds the random initialisation and `param_dtype` is the parameters' dtype;
-    `models.from_pretrained` builds one from a checkpoint instead. Parameters carry logical
+    `jgrpo.models.from_pretrained` builds one from a checkpoint instead. Parameters carry logical
     axis names as Flax `out_sharding` metadata; they are created unsharded and a mesh's rules
     table decides their placement (see jgrpo's sharding).
     """
@@ -250,7 +250,7 @@ def forward(
     shift RoPE), or to 0..T-1 (+ cache.index) when there is no mask.
 
     `return_kv` (no cache only) also returns the keys and values of every layer, k and v
-    [L, B, K, T, D], as `(output, (k, v))`: a prefill for `models.group_decode`.
+    [L, B, K, T, D], as `(output, (k, v))`: a prefill for `jgrpo.models.group_decode`.
 
     `matmul_dtype` (e.g. bf16) multiplies in that dtype with f32 sums, as the parameters of
     `with_matmul_weights(params, matmul_dtype)` would (same values), but casts each layer's
@@ -592,7 +592,7 @@ def attention_inputs(config, params, x, cos, sin):
 
 def token_major_attention_inputs(config, params, x, cos, sin):
     """`attention_inputs` with keys and values left token-major, [B, T, K, D], for callers
-    that split the tokens before attention (`models.group_forward`)."""
+    that split the tokens before attention (`jgrpo.models.group_forward`)."""
     eps = config.rms_norm_eps
     kernels = (params["q_kernel"], params["k_kernel"], params["v_kernel"])
     q, k, v = normed_projections(x, params["attn_norm"], kernels, eps)

@@ -109,8 +109,8 @@ def run_jgrpo(
     from benchmark import forward_flops, matmul_peak_flops
 
     from jgrpo.huge_pages import reexec_with_huge_pages
+    from jgrpo.models.transformer import forward
     from jgrpo.train import Trainer
-    from models.transformer import forward
 
     reexec_with_huge_pages()  # as `python -m jgrpo.train` starts (returns if not)
     config = jgrpo_config(checkpoint, steps + 1, sampling_weights, matmul, reference=reference)

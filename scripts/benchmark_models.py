@@ -1,7 +1,7 @@
 """Benchmarks of the model stack on this machine: forward throughput and checkpoint-load memory.
 
 1. Forward throughput. One random-initialised Llama checkpoint is written by transformers and
-   read by both sides: jgrpo (`models.hf.from_pretrained`, forward under `jax.jit`) and
+   read by both sides: jgrpo (`jgrpo.models.hf.from_pretrained`, forward under `jax.jit`) and
    transformers (`AutoModelForCausalLM`, PyTorch, eval mode, `torch.inference_mode()`). Both
    run the same [B, T] batch in f32, logits only. After a warm-up, `--repeats` timed runs each
    give the median tokens/s and the ratio jgrpo/torch; the jit compile (trace, lower, XLA
@@ -36,8 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.config import preset
-from models.hf import from_pretrained
+from jgrpo.models.config import preset
+from jgrpo.models.hf import from_pretrained
 
 LOAD_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 LOAD_TARGET = 1.5  # peak added host memory / checkpoint bytes

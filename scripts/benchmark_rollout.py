@@ -33,7 +33,7 @@ import torch
 from benchmark_models import write_checkpoint  # scripts/ is on sys.path when run as a script
 from transformers import AutoModelForCausalLM
 
-import models
+from jgrpo import models
 from jgrpo.huge_pages import reexec_with_huge_pages
 from jgrpo.sampling import SamplingConfig, rollout
 

@@ -51,7 +51,7 @@ API = (
     ),
     (
         "Sampling and generation",
-        "Completions from a `models` decoder. `rollout` is the compiled program the trainer "
+        "Completions from a `jgrpo.models` decoder. `rollout` is the compiled program the trainer "
         "runs on token ids; `generate` wraps it with a tokenizer, text in and text out. "
         "Shapes: P prompts, G generations per prompt, L prompt length, N new tokens.",
         (
@@ -94,19 +94,19 @@ API = (
         "export, and sequence-classification reward models. Shapes: E hidden size, K "
         "key/value heads, D head dim, S cache slots.",
         (
-            "models.from_pretrained",
-            "models.save_pretrained",
-            "models.Transformer",
-            "models.forward",
-            "models.init_cache",
-            "models.KVCache",
-            "models.ModelConfig",
-            "models.Llama3RopeScaling",
-            "models.preset",
-            "models.PRESETS",
-            "models.CheckpointError",
-            "models.load_reward_model",
-            "models.RewardModel",
+            "jgrpo.models.from_pretrained",
+            "jgrpo.models.save_pretrained",
+            "jgrpo.models.Transformer",
+            "jgrpo.models.forward",
+            "jgrpo.models.init_cache",
+            "jgrpo.models.KVCache",
+            "jgrpo.models.ModelConfig",
+            "jgrpo.models.Llama3RopeScaling",
+            "jgrpo.models.preset",
+            "jgrpo.models.PRESETS",
+            "jgrpo.models.CheckpointError",
+            "jgrpo.models.load_reward_model",
+            "jgrpo.models.RewardModel",
         ),
     ),
 )
@@ -400,8 +400,9 @@ def api_markdown() -> str:
         "edit the code, not this file. -->",
         "",
         "The public functions and classes of `jgrpo` (everything in `jgrpo.__all__`), the "
-        "training loop, and the `models` package. Comments in a signature are the ones in the "
-        "source, mostly shapes: `f32[B, T]` is a float32 array of B rows and T positions.",
+        "training loop, and the `jgrpo.models` package (the `models/` folder). Comments in a "
+        "signature are the ones in the source, mostly shapes: `f32[B, T]` is a float32 array "
+        "of B rows and T positions.",
         "",
     ]
     for title, _, names in API:

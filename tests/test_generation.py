@@ -11,7 +11,7 @@ from tiny_hf import make_tokenizer
 
 import jgrpo
 from jgrpo.generation import bucket_length, encode_prompts, pad_prompts, stop_token_ids
-from models.hf import from_pretrained
+from jgrpo.models.hf import from_pretrained
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['content'] }} {% endfor %}"

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from tiny_hf import FAMILIES, VOCAB
 
-from models.group_decode import (
+from jgrpo.models.group_decode import (
     decode_layers,
     decode_logits,
     decode_step,
@@ -14,8 +14,8 @@ from models.group_decode import (
     shared_prefix_attention,
     unembedding_rows,
 )
-from models.hf import from_pretrained
-from models.transformer import (
+from jgrpo.models.hf import from_pretrained
+from jgrpo.models.transformer import (
     forward,
     grouped_query_attention,
     logits_from_hidden,

@@ -9,11 +9,11 @@ import optax
 import pytest
 from tiny_hf import FAMILIES, VOCAB
 
+from jgrpo.models.group_forward import group_completion_hidden, packed_head_inputs
+from jgrpo.models.hf import from_pretrained
+from jgrpo.models.transformer import forward
 from jgrpo.packing import completion_lengths, pack_completions, rows_needed
 from jgrpo.update import Batch, UpdateConfig, completion_logprobs, init_state, train_step
-from models.group_forward import group_completion_hidden, packed_head_inputs
-from models.hf import from_pretrained
-from models.transformer import forward
 
 PROMPTS, GROUP, PROMPT_LENGTH, NEW_TOKENS = 3, 4, 7, 5
 

@@ -10,7 +10,7 @@ from safetensors.numpy import load_file, save_file
 from tiny_hf import VOCAB
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from models.hf import CheckpointError, from_pretrained, save_pretrained
+from jgrpo.models.hf import CheckpointError, from_pretrained, save_pretrained
 
 IDS = np.random.default_rng(0).integers(3, VOCAB, size=(2, 9))
 

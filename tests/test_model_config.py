@@ -8,7 +8,7 @@ import pytest
 import transformers
 from tiny_hf import FAMILIES, make_torch_model
 
-from models.config import PRESETS, Llama3RopeScaling, ModelConfig, preset
+from jgrpo.models.config import PRESETS, Llama3RopeScaling, ModelConfig, preset
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

@@ -35,7 +35,8 @@ def test_public_api_is_exported():
 
 def test_pure_objective_does_not_import_flax():
     """Other JAX codebases import the objective without pulling in the model stack."""
-    code = "import sys, jgrpo; print(sorted(m for m in ('flax', 'models') if m in sys.modules))"
+    modules = "('flax', 'jgrpo.models')"
+    code = f"import sys, jgrpo; print(sorted(m for m in {modules} if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
@@ -100,3 +101,36 @@ def test_top_level_layout():
         ".ci/run",
     ]:
         assert (ROOT / path).exists(), path
+
+
+def test_a_models_package_of_the_users_own_neither_shadows_nor_is_shadowed(tmp_path):
+    """The model code installs as `jgrpo.models`: the CLI run from a folder holding the user's
+    own `models` package trains, and the user's package is the one `import models` finds."""
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "__init__.py").write_text("WHOSE = 'the user'\n")
+    overrides = [
+        "train.steps=1",
+        "train.eval_every=0",
+        "train.progress=false",
+        "train.tensorboard=false",
+        "rollout.prompts_per_step=2",
+        "rollout.num_generations=2",
+        "task.reward_workers=0",
+        "mesh.devices=1",
+        "train.run_dir=run",
+    ]
+    run = subprocess.run(
+        [sys.executable, "-m", "jgrpo.train", *overrides],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert (tmp_path / "run" / "hf" / "config.json").exists()
+    code = (
+        "import jgrpo.models, models; print(models.WHOSE, jgrpo.models.preset('tiny').num_layers)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path
+    )
+    assert out.stdout.split() == ["the", "user", "2"]

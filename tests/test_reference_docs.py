@@ -8,7 +8,7 @@ import sys
 import pytest
 
 import jgrpo
-import models
+from jgrpo import models
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 FIX = "run `python scripts/reference_docs.py` and commit the result"
@@ -41,7 +41,7 @@ def test_committed_files_are_current(generated):
 
 def test_every_public_name_is_documented(generator, generated):
     api = generated[pathlib.Path("docs/api.md")]
-    names = [f"jgrpo.{n}" for n in jgrpo.__all__] + [f"models.{n}" for n in models.__all__]
+    names = [f"jgrpo.{n}" for n in jgrpo.__all__] + [f"jgrpo.models.{n}" for n in models.__all__]
     for name in names:
         assert name in generator.documented_names(), f"add {name} to API in the generator"
         assert f"### `{name}`" in api, name

@@ -19,9 +19,9 @@ from transformers import (
     Qwen3ForSequenceClassification,
 )
 
+from jgrpo.models.hf import CheckpointError
+from jgrpo.models.reward_model import last_token_index, load_reward_model, reward_param_axes
 from jgrpo.sharding import make_mesh, row_shardings, rules_context, tree_shardings
-from models.hf import CheckpointError
-from models.reward_model import last_token_index, load_reward_model, reward_param_axes
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PAD = 0
@@ -184,7 +184,8 @@ def test_library_docs_example_runs(tmp_path):
         b for b in re.findall(r"```python\n(.*?)```", text, flags=re.S) if "load_reward_model" in b
     )
     namespace = {"reward_dir": tmp_path}
-    source = "import jax.numpy as jnp\nimport models\n" + block  # the page's first block imports
+    # the page's first block imports
+    source = "import jax.numpy as jnp\nfrom jgrpo import models\n" + block
     exec(compile(source, "docs/library.md", "exec"), namespace)
     assert namespace["scores"].shape == (2,) and namespace["scores"].dtype == jnp.float32
     reward_model = load_reward_model(tmp_path)

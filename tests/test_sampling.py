@@ -13,6 +13,9 @@ from tiny_hf import VOCAB
 import jgrpo
 from jgrpo import sampling as sampling_module
 from jgrpo.generation import bucket_length, pad_prompts
+from jgrpo.models.group_decode import cache_bytes_per_slot
+from jgrpo.models.hf import from_pretrained
+from jgrpo.models.transformer import forward, with_matmul_weights
 from jgrpo.sampling import (
     SamplingConfig,
     attention_phases,
@@ -22,9 +25,6 @@ from jgrpo.sampling import (
     rollout,
 )
 from jgrpo.sharding import make_mesh, rules_context
-from models.group_decode import cache_bytes_per_slot
-from models.hf import from_pretrained
-from models.transformer import forward, with_matmul_weights
 
 PROMPT_LENGTHS = [5, 9, 3]
 EOS = 2
@@ -348,7 +348,7 @@ def test_the_decode_loop_evaluates_no_sine_or_cosine(hf_checkpoint):
 def test_a_bf16_cache_is_written_in_place(hf_checkpoint):
     """A bf16 model's decode loop writes its slot of each completion buffer without widening
     the buffer to f32: XLA:CPU did so around a bf16 dynamic-update-slice, two copies of the
-    whole cache for every token (`models.transformer.write_slice`)."""
+    whole cache for every token (`jgrpo.models.transformer.write_slice`)."""
     model = from_pretrained(hf_checkpoint("qwen2")[0], dtype=jnp.bfloat16)
     c, generations, new_tokens = model.config, 2, 8
     ids, mask = prompts()

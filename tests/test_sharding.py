@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-import models
+from jgrpo import models
 from jgrpo.losses import grpo_loss
 from jgrpo.metrics import read_metrics
 from jgrpo.sampling import SamplingConfig, rollout
@@ -433,7 +433,7 @@ def test_training_on_a_mesh_matches_one_device_and_keeps_the_placement(tmp_path)
 def test_a_checkpoint_loads_straight_into_its_shards(hf_checkpoint):
     """from_pretrained with shardings: every parameter arrives split as the rules say, with
     the values of an ordinary load."""
-    from models.hf import from_pretrained, read_config
+    from jgrpo.models.hf import from_pretrained, read_config
 
     directory = hf_checkpoint("qwen3")[0]
     mesh = make_mesh((2, 2, 2))

@@ -73,7 +73,7 @@ def assert_trees_equal(a, b):
 
 
 def test_end_to_end_metrics_checkpoints_eval_and_export(tmp_path, count_compiles, caplog):
-    import models
+    from jgrpo import models
 
     config = tiny_config(
         tmp_path,
@@ -1012,7 +1012,7 @@ def test_the_qwen_recipe_runs_on_a_local_hf_checkpoint(tmp_path, hf_checkpoint):
 
     from transformers import AutoTokenizer
 
-    import models
+    from jgrpo import models
 
     source, _ = hf_checkpoint("llama3")
     checkpoint = tmp_path / "checkpoint"

@@ -13,9 +13,9 @@ from jax.ad_checkpoint import print_saved_residuals
 from tiny_hf import FAMILIES, VOCAB
 
 import jgrpo
-from models.config import preset
-from models.hf import from_pretrained
-from models.transformer import (
+from jgrpo.models.config import preset
+from jgrpo.models.hf import from_pretrained
+from jgrpo.models.transformer import (
     _MASKED,
     Transformer,
     attention_inputs,
@@ -271,8 +271,8 @@ def test_projections_share_one_reshape_of_their_input_and_keep_kernels_as_they_a
 
 def test_scanned_and_unrolled_layers_agree(monkeypatch, request):
     """Shallow models loop over their layers in Python, deeper ones scan: same results."""
-    import models.transformer
-    from models.group_forward import group_completion_hidden
+    from jgrpo import models
+    from jgrpo.models.group_forward import group_completion_hidden
 
     config = preset("tiny")
     assert config.num_layers <= models.transformer.MAX_UNROLLED_LAYERS  # tiny: unrolled
@@ -326,7 +326,7 @@ def test_shallow_models_scan_when_the_mesh_splits_their_weights(mesh_shape, scan
 
 
 def test_bf16_weight_matrices_multiply_rounded_inputs_and_sum_in_f32():
-    from models.transformer import logits_from_hidden, project, with_matmul_weights
+    from jgrpo.models.transformer import logits_from_hidden, project, with_matmul_weights
 
     config = preset("tiny").replace(tie_word_embeddings=True)
     params = Transformer(config, rngs=nnx.Rngs(0)).params()
@@ -357,8 +357,8 @@ def test_forward_matmul_dtype_equals_forward_over_cast_weights(scanned, monkeypa
     """`forward(..., matmul_dtype=bf16)` casts each layer's kernels inside the layer loop; it
     computes exactly what a forward over `with_matmul_weights(params, bf16)` computes, with
     and without a KV cache, scanned or unrolled."""
-    import models.transformer
-    from models.transformer import with_matmul_weights
+    from jgrpo import models
+    from jgrpo.models.transformer import with_matmul_weights
 
     if scanned:
         monkeypatch.setattr(models.transformer, "MAX_UNROLLED_LAYERS", 0)
@@ -401,7 +401,7 @@ def test_a_bf16_kv_cache_is_written_in_place():
 def test_mixed_matmul_rounds_operands_and_cotangent_and_sums_in_f32():
     """Forward and backward are bf16 products of the rounded operands (the cotangent rounded
     too), summed in f32; the f32 operand's gradient stays f32."""
-    from models.transformer import mixed_matmul
+    from jgrpo.models.transformer import mixed_matmul
 
     def rounded(a):  # bf16 values, exactly, in f64
         return np.asarray(jnp.asarray(a).astype(jnp.bfloat16).astype(jnp.float32), np.float64)
@@ -424,7 +424,7 @@ def test_mixed_matmul_backward_multiplies_only_bf16_operands():
     """On CPU the backward's transposed operands are written out in row-major order, so no
     product of the compiled program falls back to f32 operands (XLA:CPU's fast bf16
     products take only untransposed operands)."""
-    from models.transformer import mixed_matmul
+    from jgrpo.models.transformer import mixed_matmul
 
     def loss(a, b):
         return (mixed_matmul(a, b) ** 2).sum()

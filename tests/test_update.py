@@ -8,6 +8,8 @@ import pytest
 from flax import nnx
 
 import jgrpo
+from jgrpo.models.config import preset
+from jgrpo.models.transformer import Transformer, with_rounded_weights
 from jgrpo.sampling import SamplingConfig, rollout
 from jgrpo.update import (
     Batch,
@@ -18,8 +20,6 @@ from jgrpo.update import (
     make_optimizer,
     train_step,
 )
-from models.config import preset
-from models.transformer import Transformer, with_rounded_weights
 
 CONFIG = preset("tiny")
 PROMPTS, GENERATIONS, PROMPT_LENGTH, NEW_TOKENS = 2, 4, 6, 5

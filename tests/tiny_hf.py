@@ -88,7 +88,7 @@ def save_char_checkpoint(directory: pathlib.Path, *, tied: bool = False) -> path
     `tied`: with tied input and output embeddings (as the small Qwen and Llama 3.2 have)."""
     from flax import nnx
 
-    import models
+    from jgrpo import models
     from jgrpo.tasks.arithmetic import text_tokenizer
 
     tokenizer = text_tokenizer()

@@ -2,7 +2,7 @@
 
 `ModelReward` follows the reward protocol (prompts and completions in, one float per
 completion out) like the verifiers, but scores with a Hugging Face sequence classifier
-(`models.load_reward_model`) through its own tokenizer: chat prompts become the prompt's
+(`jgrpo.models.load_reward_model`) through its own tokenizer: chat prompts become the prompt's
 messages plus the completion as the assistant's turn, rendered by the reward model's chat
 template; text prompts are concatenated with the completion (TRL's convention). Sequences are
 right-padded to a length bucket and scored `batch_size` at a time in one jitted program, so a
@@ -113,9 +113,13 @@ class ModelReward:
     ):
         from transformers import AutoTokenizer
 
-        import models
-        from models.hf import resolve
-        from models.reward_model import read_reward_config, reward_param_axes, reward_param_shapes
+        from jgrpo import models
+        from jgrpo.models.hf import resolve
+        from jgrpo.models.reward_model import (
+            read_reward_config,
+            reward_param_axes,
+            reward_param_shapes,
+        )
 
         if batch_size < 1 or max_length < 1:
             raise ValueError(
