@@ -102,7 +102,8 @@ def group_advantages(
       group_ids: the prompt (group) each completion belongs to; ragged groups in any order.
       num_groups: static upper bound on the group ids (a Python int).
       valid: False for members to ignore (padding rows, completions no reward could score):
-        they enter no statistic and get advantage 0.
+        they enter no statistic and get advantage 0, whatever their reward (NaN included:
+        it reaches no other row's value or gradient).
       scale: how the centred reward is scaled, see above.
       std_ddof: 0 for the population std (the default), 1 for the sample std (TRL, verl).
       eps: added to the std before dividing.
@@ -140,7 +141,9 @@ def _masked_mean(values: jax.Array, valid: jax.Array) -> jax.Array:
 
 
 def _check_inputs(rewards, group_ids, num_groups, valid):
-    """Validates shapes and static arguments; returns f32 rewards, int ids, bool valid."""
+    """Validates shapes and static arguments; returns f32 rewards (0 where not valid), int
+    ids, bool valid. Zeroing first keeps a NaN or inf in an invalid row out of every valid
+    row's gradient (a zero cotangent times a NaN value is still NaN)."""
     if not isinstance(num_groups, int) or isinstance(num_groups, bool) or num_groups < 1:
         raise ValueError(
             f"num_groups must be a static Python int >= 1 (the number of prompts), "
@@ -158,7 +161,7 @@ def _check_inputs(rewards, group_ids, num_groups, valid):
         valid = jnp.asarray(valid).astype(bool)
         check_shape("valid", valid, like=("rewards", rewards))
     _check_group_id_range(group_ids, num_groups)
-    return rewards, group_ids, valid
+    return jnp.where(valid, rewards, 0.0), group_ids, valid
 
 
 def _check_group_id_range(group_ids: jax.Array, num_groups: int) -> None:

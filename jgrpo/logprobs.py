@@ -78,6 +78,10 @@ def chunked_token_logprobs(
     the table is transposed or cut by columns: on CPU the forward and backward at the compare
     workload's shapes took 3.1 against 4.0 s (docs/benchmarks.md). An untied [D, V] head is
     transposed once per call.
+
+    `temperature` may be an array, traced or differentiated, as for `token_logprobs` (a
+    scalar, or [..., 1] for one per position): it then scales the hidden states before the
+    products rather than the logits after them, equal up to float rounding.
     """
     _check_temperature(temperature)
     if not isinstance(chunk_size, int) or chunk_size < 1:
@@ -91,6 +95,12 @@ def chunked_token_logprobs(
         )
     check_shape("targets", targets, shape=hidden.shape[:-1])
     _check_integer("targets", targets)
+    if not isinstance(temperature, Real):
+        # An array (traced under jit, or differentiated) cannot be the chunk loop's static
+        # argument: it divides the hidden states instead, (h / tau) @ W = (h @ W) / tau up to
+        # float rounding, and plain autodiff carries its gradient.
+        hidden = hidden / jnp.asarray(temperature, jnp.float32)
+        temperature = 1.0
 
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])  # [N, D]
     flat_targets = targets.reshape(-1)  # [N]

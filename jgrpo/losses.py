@@ -17,6 +17,15 @@ RATIO_LEVELS = ("token", "sequence")
 POLICY_LOSSES = ("clip", "cispo", "sapo")
 SAMPLER_CORRECTION_LEVELS = ("token", "sequence")
 SAMPLER_CORRECTION_MODES = ("truncate", "mask")
+# Log-ratios above this count as this before any exp (verl clamps to +-20): exp(20) = 4.9e8
+# keeps the ratio, k3 and their product finite in f32, where exp overflows past 88.7.
+MAX_LOG_RATIO = 20.0
+
+
+def _capped(log_ratio: jax.Array) -> jax.Array:
+    """log_ratio, or MAX_LOG_RATIO (with no gradient) where it is larger: bit for bit the
+    input up to the cap, and exp of it is finite."""
+    return jnp.where(log_ratio > MAX_LOG_RATIO, MAX_LOG_RATIO, log_ratio)
 
 
 def token_kl(
@@ -31,6 +40,9 @@ def token_kl(
         k1 = -d               (unbiased, high variance, can be negative)
         k2 = d**2 / 2         (biased, low variance)
         k3 = exp(d) - d - 1   (unbiased, low variance, always >= 0; Schulman's estimator)
+
+    k3 takes d = min(d, 20) (MAX_LOG_RATIO, as verl's clamp): finite for any finite input,
+    unchanged up to 20, constant with no gradient beyond.
     """
     check_choice("kl_estimator", kl_estimator, KL_ESTIMATORS)
     delta = ref_logprobs.astype(jnp.float32) - logprobs.astype(jnp.float32)
@@ -38,6 +50,7 @@ def token_kl(
         return -delta
     if kl_estimator == "k2":
         return 0.5 * jnp.square(delta)
+    delta = _capped(delta)
     return jnp.exp(delta) - delta - 1.0
 
 
@@ -181,6 +194,7 @@ def grpo_loss(
     ratio_level: str = "token",
     max_completion_length: int | None = None,
     total_tokens: jax.Array | int | None = None,
+    total_sequences: jax.Array | int | None = None,
     sampler_weights: jax.Array | None = None,  # f32[B, T] from `sampler_weights`
     kl_bias_correction: bool = False,
     policy_mask: jax.Array | None = None,  # [B, T] from `high_entropy_mask`, `off_policy_mask`
@@ -193,6 +207,10 @@ def grpo_loss(
         ratio_level="sequence": r_t = exp(masked mean over i of (logprobs - old_logprobs)) (GSPO)
         L_t = -min(r_t A_i, clip(r_t, 1 - clip_eps, 1 + clip_eps_high) A_i) + beta * KL_t
 
+    The log-ratio in r_t is taken as 0 off the mask and as min(log-ratio, 20) on it
+    (`MAX_LOG_RATIO`, verl's clamp): a token past 20 counts as 20, with no gradient through
+    r_t, so loss and gradient are finite for any finite inputs and unchanged below 20.
+
     `policy_loss` replaces the clipped term (the first part of L_t) with:
         "cispo":  -sg(min(r_t, cispo_max_ratio)) A_i logprobs_t, the ratio clipped as a weight
                   with no gradient, so every token keeps a gradient (MiniMax-M1; ScaleRL)
@@ -204,8 +222,9 @@ def grpo_loss(
     A_i < 0 at -c A_i, so a ratio above c gets no gradient (verl's dual-clip `clip_ratio_c`,
     TRL's `delta`): a token the policy now far prefers no longer pushes the loss without limit.
 
-    KL_t is `token_kl(logprobs, ref_logprobs, kl_estimator=...)`. On-policy (one update per
-    rollout) pass `old_logprobs=jax.lax.stop_gradient(logprobs)`, so r = 1 with gradient.
+    KL_t is `token_kl(logprobs, ref_logprobs, kl_estimator=...)` (0 off the mask). On-policy
+    (one update per rollout) pass `old_logprobs=jax.lax.stop_gradient(logprobs)`, so r = 1
+    with gradient.
     `kl_bias_correction=True` weights the penalty by the unclipped ratio, beta * r_t * KL_t,
     r_t with its gradient: with k3 the KL gradient becomes the unbiased reverse-KL gradient
     (log(pi / pi_ref) grad log pi per token on-policy, not 1 - pi_ref / pi), as in
@@ -217,7 +236,10 @@ def grpo_loss(
     correction for tokens drawn by a sampler other than the policy (`sampler_weights`).
 
     Aggregation of L over the mask m:
-        "grpo":    mean over sequences with >= 1 completion token of sum_t(L m) / sum_t(m)
+        "grpo":    sum over sequences with >= 1 completion token of sum_t(L m) / sum_t(m),
+                   divided by total_sequences, the number of such sequences in the whole
+                   global batch (default: this batch's, making it their mean), so the
+                   losses and gradients of micro-batches add up exactly to the full batch's
         "bnpo":    sum(L m) / sum(m) over this batch
         "dapo":    sum(L m) / total_tokens, total_tokens being the completion-token count of
                    the whole global batch (default: this batch's), so the losses and gradients
@@ -276,15 +298,18 @@ def grpo_loss(
 
     batch, length = logprobs.shape
     weights = mask.astype(jnp.float32)  # [B, T]
+    on = mask.astype(bool)  # [B, T]
     logprobs = logprobs.astype(jnp.float32)
-    log_ratio = logprobs - old_logprobs.astype(jnp.float32)  # [B, T]
+    # Off the mask the log-ratio (and below the reference gap) is 0 before any exp or product:
+    # exp(89) = inf there, or a -inf log-prob, would make inf * 0 = NaN in loss or gradient.
+    log_ratio = jnp.where(on, logprobs - old_logprobs.astype(jnp.float32), 0.0)  # [B, T]
     tokens_per_sequence = weights.sum(axis=-1)  # [B]
     if ratio_level == "sequence":
         sequence_log_ratio = (log_ratio * weights).sum(axis=-1) / jnp.maximum(
             tokens_per_sequence, 1.0
         )
         log_ratio = jnp.broadcast_to(sequence_log_ratio[:, None], (batch, length))
-    ratio = jnp.exp(log_ratio)  # [B, T]
+    ratio = jnp.exp(_capped(log_ratio))  # [B, T], at most e^20
 
     adv = advantages.astype(jnp.float32)[:, None]  # [B, 1]
     clipped_ratio = jnp.clip(ratio, 1.0 - clip_eps, 1.0 + clip_eps_high)
@@ -301,7 +326,8 @@ def grpo_loss(
     if policy_mask is not None:
         per_token = per_token * jax.lax.stop_gradient(policy_mask.astype(jnp.float32))
     if ref_logprobs is not None:
-        kl = token_kl(logprobs, ref_logprobs, kl_estimator=kl_estimator)  # [B, T]
+        ref_logprobs = jnp.where(on, ref_logprobs.astype(jnp.float32), logprobs)  # [B, T]
+        kl = token_kl(logprobs, ref_logprobs, kl_estimator=kl_estimator)  # [B, T], 0 off the mask
         if beta > 0:
             per_token = per_token + beta * (ratio * kl if kl_bias_correction else kl)
     if sampler_weights is not None:
@@ -310,8 +336,11 @@ def grpo_loss(
     masked_sum = (per_token * weights).sum()
     if loss_type == "grpo":
         sequence_means = (per_token * weights).sum(axis=-1) / jnp.maximum(tokens_per_sequence, 1.0)
-        nonempty = (tokens_per_sequence > 0).astype(jnp.float32)
-        loss = (sequence_means * nonempty).sum() / jnp.maximum(nonempty.sum(), 1.0)
+        nonempty = (tokens_per_sequence > 0).astype(jnp.float32)  # [B]
+        normaliser = nonempty.sum() if total_sequences is None else total_sequences
+        loss = (sequence_means * nonempty).sum() / jnp.maximum(
+            jnp.asarray(normaliser, jnp.float32), 1.0
+        )
     elif loss_type == "bnpo":
         loss = masked_sum / jnp.maximum(weights.sum(), 1.0)
     elif loss_type == "dapo":

@@ -5,7 +5,8 @@ For one rollout batch of B sequences:
    reference log-probs (when beta > 0) are computed once, before any parameter changes;
 2. num_iterations (mu) passes, each over num_minibatches minibatches in order, one optimizer
    step per minibatch; a minibatch may be split into micro-batches whose gradients are
-   accumulated (exactly, for loss_type "dapo", which normalises by the minibatch's tokens).
+   accumulated: exactly for "dapo" and "grpo", which normalise by the minibatch's tokens
+   and non-empty rows, and for "dr_grpo"; "bnpo" averages its micro-batches' token means.
 
 Log-probs come from final hidden states through `jgrpo.chunked_token_logprobs`, so the
 [B, T, V] logits of a training step are never built.
@@ -394,7 +395,7 @@ def train_step(
     if cfg.beta > 0:
         extras["ref_logprobs"] = frozen_logprobs(ref_params)
 
-    def loss_fn(params, micro, micro_extras, minibatch_tokens):
+    def loss_fn(params, micro, micro_extras, minibatch_tokens, minibatch_sequences):
         logprobs, entropy = logprobs_of(params, micro)
         old = micro_extras.get("old_logprobs", jax.lax.stop_gradient(logprobs))
         weights, sampler_metrics = None, {}
@@ -442,6 +443,7 @@ def train_step(
             kl_bias_correction=cfg.kl_bias_correction,
             ratio_level=cfg.ratio_level,
             total_tokens=minibatch_tokens,
+            total_sequences=minibatch_sequences,
             max_completion_length=cfg.max_completion_length,
             sampler_weights=weights,
             policy_mask=policy_mask,
@@ -456,23 +458,24 @@ def train_step(
     def minibatch_step(state, minibatch):
         data, minibatch_extras = minibatch
         tokens = data.completion_mask.sum()
+        sequences = data.completion_mask.any(axis=-1).sum()  # non-empty rows: grpo's divisor
         micros = _split((data, minibatch_extras), cfg.grad_accumulation)
 
         def accumulate(grads, micro):
             micro_data, micro_extras = micro
             (_, metrics), micro_grads = jax.value_and_grad(loss_fn, has_aux=True)(
-                state.params, micro_data, micro_extras, tokens
+                state.params, micro_data, micro_extras, tokens, sequences
             )
             return jax.tree.map(jnp.add, grads, micro_grads), metrics
 
         zeros = jax.tree.map(jnp.zeros_like, state.params)
         grads, metrics = jax.lax.scan(accumulate, zeros, micros)
-        if cfg.loss_type != "dapo":  # dapo's micro-batch losses already sum to the minibatch's
+        # dapo's and grpo's micro-batch losses already sum to the minibatch's; the others average.
+        summed = cfg.loss_type in ("dapo", "grpo")
+        if not summed:
             grads = jax.tree.map(lambda g: g / cfg.grad_accumulation, grads)
         metrics = jax.tree.map(jnp.mean, metrics)
-        metrics["loss"] = metrics["loss"] * (
-            cfg.grad_accumulation if cfg.loss_type == "dapo" else 1
-        )
+        metrics["loss"] = metrics["loss"] * (cfg.grad_accumulation if summed else 1)
         metrics["grad_norm"] = optax.tree.norm(grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         lr = optax.tree_utils.tree_get(  # the injected value, when the optimizer has one

@@ -123,6 +123,24 @@ def test_invalid_members_change_nothing(scale):
     np.testing.assert_array_equal(padded[len(rewards) :], 0.0)
 
 
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_a_nan_reward_in_an_invalid_row_leaves_the_gradient_finite(scale):
+    """Invalid rewards are zeroed before any statistic, so a NaN there reaches no valid row's
+    gradient: the gradient equals the one with a 0 in its place, and that row's is 0."""
+    group_ids = jnp.array([0, 0, 0, 1, 1, 1])
+    valid = jnp.array([True, True, False, True, True, True])
+    upstream = jnp.array([0.3, -1.0, 2.0, 0.7, 0.1, -0.4])  # a loss's weights on A
+
+    def weighted_advantages(rewards):
+        advantages = jgrpo.group_advantages(rewards, group_ids, 2, valid=valid, scale=scale)
+        return (advantages * upstream).sum()
+
+    clean = jnp.array([1.0, 3.0, 0.0, 2.0, 5.0, 4.0])
+    grad = jax.grad(weighted_advantages)(clean.at[2].set(jnp.nan))
+    np.testing.assert_array_equal(grad, jax.grad(weighted_advantages)(clean))
+    assert np.all(np.isfinite(grad)) and grad[2] == 0.0 and np.any(grad != 0.0)
+
+
 @pytest.mark.parametrize("ddof", [0, 1])
 @pytest.mark.parametrize("scale", ["group", "batch", "none"])
 def test_singleton_and_all_equal_groups_are_exactly_zero(scale, ddof):

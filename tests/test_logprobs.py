@@ -80,6 +80,43 @@ def test_chunked_matches_values_and_gradients(vocab, chunk_size, temperature):
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
 
 
+def test_chunked_takes_a_traced_temperature_as_token_logprobs_does():
+    """A temperature that is an array (traced under jit, or differentiated) gives the values
+    and gradients, its own included, of token_logprobs on the full logits."""
+    hidden, unembedding, targets = hidden_and_unembedding(3, 7, 16, 97)
+    weights = jax.random.normal(jax.random.key(5), (2, 3, 7))
+
+    def objective(fn):
+        def scalar(hidden, unembedding, temperature):
+            logprobs, entropy = fn(hidden, unembedding, temperature)
+            return (weights[0] * logprobs).sum() + (weights[1] * entropy).sum()
+
+        return scalar
+
+    def full(h, w, temperature):
+        return jgrpo.token_logprobs(h @ w, targets, temperature=temperature)
+
+    def chunked(h, w, temperature):
+        return jgrpo.chunked_token_logprobs(h, w, targets, temperature=temperature, chunk_size=16)
+
+    temperature = jnp.float32(0.6)
+    got = jax.jit(chunked)(hidden, unembedding, temperature)
+    at_python_float = chunked(hidden, unembedding, 0.6)
+    for got_one, expected, python_float in zip(
+        got, full(hidden, unembedding, temperature), at_python_float, strict=True
+    ):
+        np.testing.assert_allclose(got_one, expected, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(got_one, python_float, rtol=1e-5, atol=1e-5)
+    grads = jax.jit(jax.grad(objective(chunked), argnums=(0, 1, 2)))
+    expected_grads = jax.jit(jax.grad(objective(full), argnums=(0, 1, 2)))
+    got_grads = grads(hidden, unembedding, temperature)
+    for got_one, expected in zip(
+        got_grads, expected_grads(hidden, unembedding, temperature), strict=True
+    ):
+        np.testing.assert_allclose(got_one, expected, rtol=1e-5, atol=1e-5)
+    assert got_grads[2] != 0.0
+
+
 def test_chunked_under_jit_and_vmap():
     hidden, unembedding, targets = hidden_and_unembedding(4, 5, 8, 64, seed=3)
     fn = lambda h, t: jgrpo.chunked_token_logprobs(h, unembedding, t, chunk_size=16)

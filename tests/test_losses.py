@@ -379,6 +379,40 @@ def test_dapo_microbatch_gradients_sum_to_full_batch():
     assert not np.isclose(own, first_loss)
 
 
+def test_grpo_microbatch_gradients_sum_to_full_batch_with_empty_rows():
+    """With total_sequences, the non-empty rows of the whole batch, grpo's micro-batch losses
+    and gradients add up to the full batch's, however the empty rows fall."""
+    rng = np.random.default_rng(0)
+    logprobs = jnp.asarray(rng.normal(size=(4, 6)) - 1.0, jnp.float32)
+    old = logprobs + jnp.asarray(rng.normal(scale=0.3, size=(4, 6)), jnp.float32)
+    ref = logprobs + jnp.asarray(rng.normal(scale=0.3, size=(4, 6)), jnp.float32)
+    advantages = jnp.asarray(rng.normal(size=4), jnp.float32)
+    mask = jnp.asarray(np.arange(6)[None, :] < np.array([[6], [0], [4], [1]]), jnp.float32)
+
+    def loss(lp, rows, total_sequences=3):
+        return jgrpo.grpo_loss(
+            lp,
+            old[rows],
+            advantages[rows],
+            mask[rows],
+            ref_logprobs=ref[rows],
+            loss_type="grpo",
+            total_sequences=total_sequences,
+        )[0]
+
+    full_loss, full_grad = jax.value_and_grad(loss)(logprobs, slice(0, 4))
+    first_loss, first_grad = jax.value_and_grad(loss)(logprobs[:2], slice(0, 2))
+    second_loss, second_grad = jax.value_and_grad(loss)(logprobs[2:], slice(2, 4))
+    np.testing.assert_allclose(first_loss + second_loss, full_loss, rtol=1e-6)
+    np.testing.assert_allclose(
+        np.concatenate([first_grad, second_grad]), full_grad, rtol=1e-6, atol=1e-9
+    )
+    # The default is this batch's own non-empty rows: 3 for the full batch.
+    np.testing.assert_array_equal(loss(logprobs, slice(0, 4), None), full_loss)
+    # Without it the first micro-batch's one non-empty row is its whole mean: not the same.
+    assert not np.isclose(loss(logprobs[:2], slice(0, 2), None), first_loss)
+
+
 def test_grpo_ignores_rows_without_completion_tokens():
     logprobs, old, advantages, mask = arrays()
     base, _ = jgrpo.grpo_loss(logprobs, old, advantages, mask, beta=0.0)
@@ -584,3 +618,111 @@ def test_sampler_weights_multiply_each_tokens_loss(loss_type):
     np.testing.assert_allclose(weighted, plain * np.asarray(weights), rtol=1e-6, atol=1e-8)
     ones = jnp.where(mask.astype(bool), 1.0, 0.0)
     np.testing.assert_allclose(loss(logprobs, ones), loss(logprobs), rtol=1e-6)
+
+
+# Every policy term, dual clip, KL estimator, bias correction, ratio level and sampler weighting
+# (None, or (level, mode)) that an extreme log-ratio could reach through an exponential.
+EXTREME_SETTINGS = [
+    dict(
+        **policy,
+        ratio_level=ratio_level,
+        kl_estimator=kl_estimator,
+        kl_bias_correction=kl_bias_correction,
+        sampler=[None, ("token", "truncate"), ("sequence", "truncate"), ("token", "mask")][k % 4],
+    )
+    for k, (policy, ratio_level, kl_estimator, kl_bias_correction) in enumerate(
+        itertools.product(
+            [
+                dict(policy_loss="clip"),
+                dict(policy_loss="clip", dual_clip=3.0),
+                dict(policy_loss="cispo"),
+                dict(policy_loss="sapo"),
+            ],
+            ["token", "sequence"],
+            ["k1", "k2", "k3"],
+            [False, True],
+        )
+    )
+]
+
+
+def far_inputs(position, log_ratio, ref_gap):
+    """The test arrays with, at `position`, logprobs - old = log_ratio, old - sampler =
+    log_ratio and ref - logprobs = ref_gap; (logprobs, old, ref, sampler)."""
+    logprobs, old, ref, sampler = (np.array(x, np.float32) for x in (LOGPROBS, OLD, REF, SAMPLER))
+    old[position] = logprobs[position] - log_ratio
+    sampler[position] = old[position] - log_ratio
+    ref[position] = logprobs[position] + ref_gap
+    return tuple(jnp.asarray(x) for x in (logprobs, old, ref, sampler))
+
+
+def loss_and_gradient(inputs, settings):
+    """grpo_loss and its gradient in logprobs, beta 0.04, sampler weights from `inputs`."""
+    logprobs, old, ref, sampler = inputs
+    settings = dict(settings)
+    weights = None
+    if settings.get("sampler") is not None:
+        level, mode = settings["sampler"]
+        weights = jgrpo.sampler_weights(old, sampler, jnp.array(MASK), level=level, mode=mode)
+    settings.pop("sampler")
+
+    def loss(lp):
+        return jgrpo.grpo_loss(
+            lp,
+            old,
+            jnp.array(ADVANTAGES),
+            jnp.array(MASK),
+            ref_logprobs=ref,
+            beta=0.04,
+            sampler_weights=weights,
+            **settings,
+        )
+
+    (value, metrics), grad = jax.value_and_grad(loss, has_aux=True)(logprobs)
+    return value, grad, metrics
+
+
+@pytest.mark.parametrize("settings", EXTREME_SETTINGS)
+def test_extreme_log_ratios_off_the_mask_change_nothing(settings):
+    """A masked position whose log-ratio (89) or reference gap (94) overflows exp, whose gap
+    (1e20) overflows k2, or whose old, sampler and reference log-probs are -inf (a token a
+    sampling filter excluded), leaves the loss, its gradient and the metrics exactly as they
+    were (no inf * 0 = NaN)."""
+    base_value, base_grad, base_metrics = loss_and_gradient(far_inputs((0, 2), 0.0, 0.0), settings)
+    for log_ratio, ref_gap in [(89.0, 94.0), (1e20, 1e20), (np.inf, -np.inf)]:
+        value, grad, metrics = loss_and_gradient(far_inputs((0, 2), log_ratio, ref_gap), settings)
+        assert np.isfinite(value) and np.all(np.isfinite(grad))
+        np.testing.assert_array_equal(value, base_value)
+        np.testing.assert_array_equal(grad, base_grad)
+        for name, metric in metrics.items():
+            np.testing.assert_array_equal(metric, base_metrics[name], err_msg=name)
+
+
+@pytest.mark.parametrize("settings", EXTREME_SETTINGS)
+def test_a_log_ratio_beyond_20_counts_as_20(settings):
+    """A completion token whose log-ratio (89) or k3 reference gap (94) overflows exp gets a
+    finite loss and gradient: both count as 20, as verl clamps them."""
+    value, grad, _ = loss_and_gradient(far_inputs((1, 1), 89.0, 94.0), settings)
+    assert np.isfinite(value) and np.all(np.isfinite(grad))
+    if settings["ratio_level"] == "token" and settings["kl_estimator"] == "k3":
+        at_20, _, _ = loss_and_gradient(far_inputs((1, 1), 20.0, 20.0), settings)
+        np.testing.assert_array_equal(value, at_20)
+
+
+def test_k3_is_unchanged_up_to_a_gap_of_20_and_constant_beyond():
+    """k3 = exp(d) - d - 1 bit for bit up to d = 20, then the value at 20 with no gradient."""
+    logprobs = jnp.full(8, -3.0)
+    gap = jnp.array([-300.0, -30.0, -1.0, 0.0, 5.0, 19.99, 20.0, 94.0])  # d = ref - logprobs
+    ref = logprobs + gap
+
+    def total_kl(lp):
+        return jgrpo.token_kl(lp, ref).sum()
+
+    per_token = jgrpo.token_kl(logprobs, ref)
+    d = ref - logprobs
+    np.testing.assert_array_equal(per_token[:7], (jnp.exp(d) - d - 1.0)[:7])
+    np.testing.assert_array_equal(per_token[7], per_token[6])  # e^20 - 21
+    grad = jax.grad(total_kl)(logprobs)
+    assert np.all(np.isfinite(grad)) and grad[7] == 0.0 and grad[6] != 0.0
+    sequence = jgrpo.sequence_kl(logprobs[None], ref[None], jnp.ones((1, 8)))
+    assert np.isfinite(sequence[0])

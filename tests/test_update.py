@@ -125,6 +125,32 @@ def test_dapo_gradient_accumulation_is_exact(params):
     )
 
 
+def test_grpo_gradient_accumulation_is_exact_with_empty_rows(params):
+    """Rows 1-3 empty (mask_truncated, padding rows): the first micro-batch holds one
+    non-empty row, which still weighs 1/5 of the minibatch's loss, not 1/2."""
+    batch, _ = rollout_batch(params)
+    empty = (jnp.arange(8) >= 1) & (jnp.arange(8) <= 3)  # [B]
+    batch = batch._replace(completion_mask=batch.completion_mask & ~empty[:, None])
+    assert batch.advantages[0] != 0
+    sgd = optax.sgd(1.0)  # params move by exactly the gradient (Adam would amplify rounding)
+    whole, whole_metrics = step(params, batch, optimizer=sgd, loss_type="grpo")
+    accumulated, accumulated_metrics = step(
+        params, batch, optimizer=sgd, loss_type="grpo", grad_accumulation=2
+    )
+    moved = max(
+        float(jnp.abs(a - b).max())
+        for a, b in zip(jax.tree.leaves(whole.params), jax.tree.leaves(params), strict=True)
+    )
+    assert moved > 0.1
+    leaves = zip(jax.tree.leaves(whole.params), jax.tree.leaves(accumulated.params), strict=True)
+    for a, b in leaves:
+        np.testing.assert_allclose(a, b, atol=1e-7)
+    np.testing.assert_allclose(accumulated_metrics["loss"], whole_metrics["loss"], rtol=1e-6)
+    np.testing.assert_allclose(
+        accumulated_metrics["grad_norm"], whole_metrics["grad_norm"], rtol=1e-5
+    )
+
+
 @pytest.mark.parametrize(
     ("loss_type", "shared_prompt_rows"), [("dapo", 4), ("grpo", 1), ("dr_grpo", 4)]
 )
