@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import os
+import pathlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -73,9 +76,27 @@ def pad_prompts(
     return ids, mask
 
 
-def stop_token_ids(tokenizer, model_config) -> tuple[int, ...]:
-    """EOS of the tokenizer (for chat models: the end-of-turn token) and of the model config."""
-    ids = set()
+def generation_eos_token_ids(checkpoint_dir: str | os.PathLike | None) -> tuple[int, ...]:
+    """`eos_token_id` of the checkpoint's generation_config.json (an int or a list), the ids
+    transformers' `generate` stops on; () without the file or the key."""
+    if checkpoint_dir is None:
+        return ()
+    path = pathlib.Path(checkpoint_dir) / "generation_config.json"
+    if not path.exists():
+        return ()
+    eos = json.loads(path.read_text()).get("eos_token_id")
+    if eos is None:
+        return ()
+    return (int(eos),) if isinstance(eos, int) else tuple(int(t) for t in eos)
+
+
+def stop_token_ids(
+    tokenizer, model_config, checkpoint_dir: str | os.PathLike | None = None
+) -> tuple[int, ...]:
+    """The ids that end a completion: EOS of the tokenizer (for chat models: the end-of-turn
+    token), of the model config (config.json) and, when `checkpoint_dir` is given, of its
+    generation_config.json (Qwen2.5-Instruct lists <|im_end|> and <|endoftext|> there)."""
+    ids = set(generation_eos_token_ids(checkpoint_dir))
     for eos in (getattr(tokenizer, "eos_token_id", None), model_config.eos_token_id):
         if isinstance(eos, int):
             ids.add(eos)
@@ -120,7 +141,8 @@ def generate(
         string is one prompt.
       num_generations: G, completions per prompt.
       temperature: 0 samples greedily; top_p, top_k and min_p as in `SamplingConfig`.
-      stop_tokens: default: the EOS ids of the tokenizer and of the model config.
+      stop_tokens: default: the EOS ids of the tokenizer, of the model config and of the
+        generation_config.json of the checkpoint the model was loaded from (`stop_token_ids`).
       key: a PRNG key or an int seed; the same key and inputs give the same completions.
     """
     if num_generations < 1:
@@ -128,7 +150,7 @@ def generate(
     if isinstance(prompts, str):
         prompts = [prompts]
     if stop_tokens is None:
-        stop_tokens = stop_token_ids(tokenizer, model.config)
+        stop_tokens = stop_token_ids(tokenizer, model.config, getattr(model, "source_dir", None))
     pad_id = getattr(tokenizer, "pad_token_id", None)
     sampling = SamplingConfig(
         max_new_tokens=max_new_tokens,

@@ -5,11 +5,13 @@ row has stopped.
 Shapes: P prompts, G generations per prompt, L (bucketed) prompt length, N new tokens,
 V vocabulary. Rows are ordered prompt-major: row p * G + g.
 
-Log-probabilities are those of the temperature-scaled distribution, log_softmax(logits / T),
-which is what the trainer recomputes with `jgrpo.token_logprobs(..., temperature=T)`: use the
-same temperature for both. top-k / top-p / min-p restrict which tokens can be drawn but are
-not folded into the returned log-probs (as in TRL); greedy decoding (T = 0) reports T = 1
-log-probs.
+Each token gets two log-probabilities. `logprobs`: the policy's at temperature T,
+log_softmax(logits / T), which is what the trainer recomputes with
+`jgrpo.token_logprobs(..., temperature=T)` (use the same temperature for both).
+`sampler_logprobs`: under the distribution the token was really drawn from, the log_softmax of
+logits / T over the tokens top-k / top-p / min-p kept (TRL asks vLLM for these "processed"
+log-probs for its importance-sampling correction); without a filter the two are equal. Greedy
+decoding (T = 0) reports log_softmax(logits) for both.
 """
 
 from __future__ import annotations
@@ -66,13 +68,21 @@ class SamplingConfig:
             )
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
+    @property
+    def filters(self) -> bool:
+        """Whether top-k, top-p or min-p narrows the distribution tokens are drawn from
+        (greedy decoding, T = 0, ignores them)."""
+        filtered = self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+        return self.temperature > 0 and filtered
+
 
 class Rollout(NamedTuple):
     """G completions of each of P prompts; every array has P * G rows, prompt-major."""
 
     tokens: jax.Array  # int32[P*G, N]; pad_token_id after the stop
     mask: jax.Array  # bool[P*G, N]; completion tokens, up to and including the first stop
-    logprobs: jax.Array  # f32[P*G, N]; log_softmax(logits / T) at each token, 0 where masked
+    logprobs: jax.Array  # f32[P*G, N]; the policy's log_softmax(logits / T), 0 where masked
+    sampler_logprobs: jax.Array  # f32[P*G, N]; the same over the kept tokens, 0 where masked
     lengths: jax.Array  # int32[P*G]; mask.sum(-1)
     truncated: jax.Array  # bool[P*G]; reached max_new_tokens without a stop token
     group_ids: jax.Array  # int32[P*G]; the prompt each row answers
@@ -104,11 +114,15 @@ def filter_logits(logits: jax.Array, *, top_k: int, top_p: float, min_p: float) 
 
 def categorical(key: jax.Array, logits: jax.Array) -> jax.Array:
     """One draw per row from softmax(logits [B, V]): int32[B]. See `inverse_cdf_sample`."""
-    return inverse_cdf_sample(jax.random.uniform(key, logits.shape[:1]), logits)
+    return inverse_cdf_sample(jax.random.uniform(key, logits.shape[:1]), logits)[0]
 
 
-def inverse_cdf_sample(uniform: jax.Array, logits: jax.Array) -> jax.Array:
-    """The token whose CDF interval under softmax(logits [B, V]) holds uniform [B]: int32[B].
+def inverse_cdf_sample(
+    uniform: jax.Array, logits: jax.Array
+) -> tuple[jax.Array, jax.Array]:  # (int32[B], f32[B])
+    """The token whose CDF interval under softmax(logits [B, V]) holds uniform [B], and
+    logsumexp(logits) per row (the normaliser of that CDF, which it sums anyway), so the
+    drawn token's log-prob is logits[token] - logsumexp without another pass over [B, V].
 
     One uniform per row where `jax.random.categorical` needs B * V Gumbels (on CPU those cost
     more than a decoder step). The CDF is inverted in two levels, over blocks of `block`
@@ -119,7 +133,8 @@ def inverse_cdf_sample(uniform: jax.Array, logits: jax.Array) -> jax.Array:
     """
     rows, vocab = logits.shape
     block = 1 << max(0, math.ceil(math.log2(vocab) / 2))  # the power of two >= sqrt(V)
-    weights = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))  # [B, V], 0 for -inf
+    top = jnp.max(logits, axis=-1, keepdims=True)  # [B, 1]
+    weights = jnp.exp(logits - top)  # [B, V], 0 for -inf
     weights = jnp.pad(weights, ((0, 0), (0, -vocab % block))).reshape(rows, -1, block)
     block_mass = weights.sum(-1)  # [B, V/block]
     block_end = jnp.cumsum(block_mass, axis=-1)
@@ -128,7 +143,8 @@ def inverse_cdf_sample(uniform: jax.Array, logits: jax.Array) -> jax.Array:
     in_block = jnp.take_along_axis(weights, chosen_block[:, None, None], axis=1)[:, 0]
     block_start = jnp.take_along_axis(block_end - block_mass, chosen_block[:, None], axis=1)
     offset = _first_above(jnp.cumsum(in_block, axis=-1), target - block_start[:, 0], in_block > 0)
-    return (chosen_block * block + offset).astype(jnp.int32)
+    log_normaliser = top[:, 0] + jnp.log(block_end[:, -1])  # [B] logsumexp(logits)
+    return (chosen_block * block + offset).astype(jnp.int32), log_normaliser
 
 
 def _first_above(cumulative: jax.Array, target: jax.Array, positive: jax.Array) -> jax.Array:
@@ -143,20 +159,31 @@ def sample_tokens(
     logits: jax.Array,  # f32[B, V]
     uniform: jax.Array,  # f32[B] in [0, 1): the randomness of this draw
     sampling: SamplingConfig,
-) -> tuple[jax.Array, jax.Array]:  # (int32[B], f32[B])
-    """Draws one token per row; returns it and its log-prob under log_softmax(logits / T)."""
+) -> tuple[jax.Array, jax.Array, jax.Array]:  # (int32[B], f32[B], f32[B])
+    """Draws one token y per row from the filtered softmax(logits / T); returns y, its
+    log-prob under the policy and under the distribution it was drawn from:
+
+        z = logits / T,   K = the tokens top-k / top-p / min-p keep (y is always in K)
+        logprob         = z_y - logsumexp_{v} z_v          (log_softmax(z), the policy)
+        sampler_logprob = z_y - logsumexp_{v in K} z_v     (log_softmax over K, the sampler)
+
+    The sampler's normaliser comes with the draw; the policy's costs one more reduction over
+    [B, V] only when a filter is on (without one K is every token and the two are equal).
+    Greedy decoding (T = 0) gives log_softmax(logits)[y] for both.
+    """
     if sampling.temperature == 0:
-        tokens = jnp.argmax(logits, axis=-1)
-        scaled = logits
-    else:
-        scaled = logits / sampling.temperature
-        allowed = filter_logits(
-            scaled, top_k=sampling.top_k, top_p=sampling.top_p, min_p=sampling.min_p
-        )
-        tokens = inverse_cdf_sample(uniform, allowed)
-    log_probs = jax.nn.log_softmax(scaled, axis=-1)
-    chosen = jnp.take_along_axis(log_probs, tokens[:, None], axis=-1)[:, 0]
-    return tokens.astype(jnp.int32), chosen
+        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        log_probs = jax.nn.log_softmax(logits, axis=-1)
+        chosen = jnp.take_along_axis(log_probs, tokens[:, None], axis=-1)[:, 0]
+        return tokens, chosen, chosen
+    scaled = logits / sampling.temperature  # [B, V]
+    kept = filter_logits(scaled, top_k=sampling.top_k, top_p=sampling.top_p, min_p=sampling.min_p)
+    tokens, kept_normaliser = inverse_cdf_sample(uniform, kept)
+    chosen = jnp.take_along_axis(scaled, tokens[:, None], axis=-1)[:, 0]  # z_y
+    sampler_logprob = chosen - kept_normaliser
+    if not sampling.filters:
+        return tokens, sampler_logprob, sampler_logprob
+    return tokens, chosen - jax.nn.logsumexp(scaled, axis=-1), sampler_logprob
 
 
 # Completions at least this long decode in phases of growing attention windows, provided
@@ -216,7 +243,9 @@ def rollout(
       key: a PRNG key; draw a fresh one for every rollout.
       model_config: static, like num_generations and sampling: a new value compiles anew.
 
-    Returns a `Rollout` of P * G rows, prompt-major (row p * G + g).
+    Returns a `Rollout` of P * G rows, prompt-major (row p * G + g). Its `sampler_logprobs`
+    are `logprobs` unless top-k / top-p / min-p is on; only then does the loop keep a second
+    [P*G, N] record (`sample_tokens`).
 
     Each prompt is prefilled once (cost independent of G) and its KV cache is shared by its G
     rows, never copied; only its last logits are repeated G times. The decode loop runs on
@@ -272,22 +301,27 @@ def rollout(
         lengths=jnp.zeros((rows,), jnp.int32),
         stopped=jnp.zeros((rows,), bool),
     )
+    if sampling.filters:  # the sampler's log-probs differ from the policy's: keep both
+        start["sampler_logprobs"] = jnp.zeros((rows, steps), jnp.float32)
 
     def sample_step(state, logits):  # logits f32[P*G, V] for the token at state["step"]
         step, stopped = state["step"], state["stopped"]
-        token, logprob = sample_tokens(logits, uniforms[step], sampling)
+        token, logprob, sampler_logprob = sample_tokens(logits, uniforms[step], sampling)
         token = jnp.where(stopped, sampling.pad_token_id, token)
-        logprob = jnp.where(stopped, 0.0, logprob)
         is_stop = jnp.isin(token, stop_ids) & ~stopped
-        return dict(
+        state = dict(
             state,
             step=step + 1,
             last_token=token,
             tokens=state["tokens"].at[:, step].set(token),
-            logprobs=state["logprobs"].at[:, step].set(logprob),
+            logprobs=state["logprobs"].at[:, step].set(jnp.where(stopped, 0.0, logprob)),
             lengths=state["lengths"] + (~stopped).astype(jnp.int32),
             stopped=stopped | is_stop,
         )
+        if sampling.filters:
+            sampler_logprob = jnp.where(stopped, 0.0, sampler_logprob)
+            state["sampler_logprobs"] = state["sampler_logprobs"].at[:, step].set(sampler_logprob)
+        return state
 
     def keep_going(state):
         return (state["step"] < steps) & ~jnp.all(state["stopped"])
@@ -324,6 +358,7 @@ def rollout(
         tokens=final["tokens"],
         mask=jnp.arange(steps)[None, :] < lengths[:, None],
         logprobs=final["logprobs"],
+        sampler_logprobs=final.get("sampler_logprobs", final["logprobs"]),
         lengths=lengths,
         truncated=~final["stopped"],
         group_ids=jnp.repeat(jnp.arange(prompts, dtype=jnp.int32), num_generations),

@@ -386,7 +386,7 @@ class Groups:
     prompt_mask: np.ndarray  # int32[R, L]
     tokens: np.ndarray  # int32[R, N]
     mask: np.ndarray  # bool[R, N]
-    sampler_logprobs: np.ndarray  # f32[R, N]: the rollout's, 0 where masked
+    sampler_logprobs: np.ndarray  # f32[R, N]: Rollout.sampler_logprobs, 0 where masked
     lengths: np.ndarray  # int32[R]
     truncated: np.ndarray  # bool[R]
     rewards: np.ndarray  # f32[R]: weighted sum + penalties
@@ -459,14 +459,17 @@ class Trainer:
             top_p=r.top_p,
             top_k=r.top_k,
             min_p=r.min_p,
-            stop_token_ids=stop_token_ids(self.tokenizer, self.model_config),
+            stop_token_ids=stop_token_ids(
+                self.tokenizer, self.model_config, getattr(self.model, "source_dir", None)
+            ),
             pad_token_id=self.tokenizer.pad_token_id or 0,
             weights_dtype=r.weights_dtype,
         )
         if not self.sampling.stop_token_ids:
             raise ConfigError(
                 "the tokenizer and the model config define no EOS token, so completions could "
-                "never stop; use a checkpoint whose config.json or tokenizer sets eos_token_id."
+                "never stop; use a checkpoint whose config.json, generation_config.json or "
+                "tokenizer sets eos_token_id."
             )
         self.greedy = dataclasses.replace(self.sampling, temperature=0.0, top_p=1.0, top_k=0)
         algo = config.algorithm
@@ -706,7 +709,7 @@ class Trainer:
                 self.row_matrix,
                 replicated(self.mesh),
             ),
-            out_shardings=Rollout(*(self.row_matrix,) * 3, *(self.rows,) * 3),
+            out_shardings=Rollout(*(self.row_matrix,) * 4, *(self.rows,) * 3),
         )
 
     def initial_params(self) -> dict:
@@ -842,7 +845,7 @@ class Trainer:
             prompt_mask=repeat(prompt_mask),
             tokens=tokens,
             mask=np.asarray(host.mask),
-            sampler_logprobs=np.asarray(host.logprobs),
+            sampler_logprobs=np.asarray(host.sampler_logprobs),
             lengths=lengths,
             truncated=np.asarray(host.truncated),
             rewards=rewards,
@@ -857,7 +860,7 @@ class Trainer:
             ref = self.block.local(self.frozen_logprobs(ref_params, batch))
             kl = np.asarray(
                 sequence_kl(
-                    jnp.asarray(host.logprobs),
+                    jnp.asarray(host.logprobs),  # the policy's, not top-k/p-filtered
                     jnp.asarray(ref),
                     jnp.asarray(groups.mask),
                     kl_estimator=c.algorithm.kl_estimator,
@@ -1055,20 +1058,24 @@ class Trainer:
         return batch_groups, metrics, position
 
     def advantages(self, groups: Groups) -> np.ndarray:
+        """f32[R] advantages of this process's rows, from the statistics of every process's
+        rows (a collective): `algorithm.scale=batch` divides by the std of the whole batch,
+        so every process normalises alike and as one process would."""
         algo, g = self.config.algorithm, self.group_size
-        rows = len(groups.rewards)
-        return np.asarray(
-            _group_advantages(
-                jnp.asarray(groups.rewards),
-                jnp.asarray(np.arange(rows) // g, jnp.int32),
-                rows // g,
-                valid=jnp.asarray(groups.valid),
-                scale=algo.scale,
-                std_ddof=algo.std_ddof,
-                eps=algo.advantage_eps,
-                clip=algo.advantage_clip,
-            )
+        rewards = self.block.gather(groups.rewards)  # [R_all], in row order
+        valid = self.block.gather(groups.valid)
+        rows = len(rewards)
+        advantages = _group_advantages(
+            jnp.asarray(rewards),
+            jnp.asarray(np.arange(rows) // g, jnp.int32),
+            rows // g,
+            valid=jnp.asarray(valid),
+            scale=algo.scale,
+            std_ddof=algo.std_ddof,
+            eps=algo.advantage_eps,
+            clip=algo.advantage_clip,
         )
+        return self.block.take(np.asarray(advantages))
 
     def step(
         self, state: TrainState, ref_params, step: int, position: int

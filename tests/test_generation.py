@@ -1,15 +1,19 @@
 """jgrpo.generate and `python -m jgrpo.generate`: prompts in, text out."""
 
+import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
 import numpy as np
 import pytest
-from tiny_hf import make_tokenizer
+from tiny_hf import make_tokenizer, save_char_checkpoint, save_generation_config
+from transformers import AutoTokenizer, GenerationConfig
 
 import jgrpo
+from jgrpo.config import load_config
 from jgrpo.generation import bucket_length, encode_prompts, pad_prompts, stop_token_ids
 from jgrpo.models.hf import from_pretrained
 
@@ -60,6 +64,54 @@ def test_generate_returns_text_and_ids(hf_checkpoint):
         model, tokenizer, ["w5 w7", "w9"], num_generations=3, max_new_tokens=6, temperature=0.9
     )
     assert again.token_ids == out.token_ids  # the default key is fixed: reproducible
+
+
+def test_stop_tokens_include_those_of_generation_config(hf_checkpoint, tmp_path):
+    """generation_config.json's eos_token_id, an int or a list, joins the tokenizer's and
+    config.json's EOS (2 here): the ids transformers' GenerationConfig reads from the file."""
+    directory = shutil.copytree(hf_checkpoint("llama3")[0], tmp_path / "checkpoint")
+    model, tokenizer = from_pretrained(directory), make_tokenizer()
+    assert stop_token_ids(tokenizer, model.config, directory) == (2,)  # no such file
+    for eos in ([9, 2], 7):
+        save_generation_config(directory, eos)
+        theirs = GenerationConfig.from_pretrained(directory).eos_token_id
+        assert set(np.atleast_1d(theirs).tolist()) == set(np.atleast_1d(eos).tolist())
+        expected = tuple(sorted({2, *np.atleast_1d(eos).tolist()}))
+        assert stop_token_ids(tokenizer, model.config, directory) == expected
+        assert stop_token_ids(tokenizer, model.config) == (2,)  # no checkpoint, no file
+
+
+def test_generate_stops_on_a_generation_config_eos(hf_checkpoint, tmp_path):
+    """A checkpoint whose generation_config.json lists the token greedy decoding emits first
+    stops there, as transformers' generate does, and says so (not truncated)."""
+    directory = shutil.copytree(hf_checkpoint("llama3")[0], tmp_path / "checkpoint")
+    model, tokenizer = from_pretrained(directory), make_tokenizer()
+    greedy = dict(max_new_tokens=6, temperature=0.0)
+    first = jgrpo.generate(model, tokenizer, "w5 w7", **greedy).token_ids[0][0]
+    assert len(first) == 6 and 2 not in first  # without the file: no stop in 6 tokens
+    save_generation_config(directory, [first[0], 2])
+    stopped = jgrpo.generate(model, tokenizer, "w5 w7", **greedy)
+    assert stopped.token_ids[0][0] == [first[0]]
+    assert not bool(stopped.rollout.truncated[0])
+
+
+def test_the_trainer_samples_and_exports_with_generation_config(tmp_path):
+    """The training rollout and the greedy evaluation stop on generation_config.json's ids
+    too, and an export writes the file back as it came."""
+    from jgrpo.train import Trainer, export
+
+    directory = save_char_checkpoint(tmp_path / "chat")
+    tokenizer_eos = json.loads((directory / "config.json").read_text())["eos_token_id"]
+    newline = AutoTokenizer.from_pretrained(directory).convert_tokens_to_ids("\n")
+    assert newline != tokenizer_eos  # an id the tokenizer and config.json do not stop on
+    written = save_generation_config(directory, [tokenizer_eos, newline]).read_text()
+    overrides = [f"model.path={directory}", "mesh.devices=1", "task.reward_workers=0"]
+    trainer = Trainer(load_config(None, overrides))
+    expected = tuple(sorted({tokenizer_eos, newline}))
+    assert trainer.sampling.stop_token_ids == expected
+    assert trainer.greedy.stop_token_ids == expected
+    out = export(trainer, trainer.initial_params(), tmp_path / "hf")
+    assert (out / "generation_config.json").read_text() == written
 
 
 def test_command_line(hf_checkpoint):

@@ -1,6 +1,8 @@
 """Several jax.distributed processes: two on localhost, 4 CPU devices each, train like one
-process with 8 devices, and their checkpoint restores on another mesh."""
+process with 8 devices, normalise advantages over the whole batch, and their checkpoint
+restores on another mesh."""
 
+import json
 import os
 import pathlib
 import socket
@@ -13,6 +15,7 @@ import pytest
 from safetensors.numpy import load_file
 from xla_flags import xla_flags
 
+import jgrpo
 from jgrpo import distributed
 from jgrpo.checkpoint import Checkpointer
 from jgrpo.config import DEMO_OVERRIDES, ConfigError, load_config
@@ -63,25 +66,33 @@ def _run_processes(
     """Runs `python -m jgrpo.train` as `count` processes of one run; (exit code, output) of each.
 
     An override may hold `{process}`, replaced by the process index."""
+    distributed_settings = [
+        "distributed.coordinator_address=localhost:{port}",
+        "distributed.num_processes={count}",
+        "distributed.process_id={process}",
+    ]
+    return _run_python(
+        ["-m", "jgrpo.train", *overrides, *distributed_settings], count, devices, check=check
+    )
+
+
+def _run_python(
+    arguments: list[str], count: int = 2, devices: int = 4, *, check: bool = True
+) -> list[tuple[int, str]]:
+    """Runs `python ARGUMENTS` as `count` processes on `devices` CPU devices each; (exit code,
+    output) of each. An argument may hold `{process}`, `{count}` and `{port}` (the process
+    index, the process count and a free port for jax.distributed's coordinator)."""
     port = _free_port()
     env = {
         **os.environ,
         "XLA_FLAGS": xla_flags(devices),
         "JAX_PLATFORMS": "cpu",
     }
-    common = [
-        *overrides,
-        f"distributed.coordinator_address=localhost:{port}",
-        f"distributed.num_processes={count}",
-    ]
     processes = [
         subprocess.Popen(
             [
                 sys.executable,
-                "-m",
-                "jgrpo.train",
-                *(o.format(process=index) for o in common),
-                f"distributed.process_id={index}",
+                *(a.format(process=index, count=count, port=port) for a in arguments),
             ],
             env=env,
             stdout=subprocess.PIPE,
@@ -141,6 +152,66 @@ def test_two_processes_train_like_one_and_restore_on_another_mesh(tmp_path):
     ):
         assert got.sharding == sharding
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6)
+
+
+# One process of a jax.distributed run: a Trainer's advantages of its rows of a fixed batch.
+ADVANTAGES_OF_ONE_PROCESS = """
+import json, pathlib, sys, types
+
+import numpy as np
+
+from jgrpo import distributed
+
+directory, port, process = pathlib.Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+distributed.initialize(
+    coordinator_address=f"localhost:{port}", num_processes=2, process_id=process
+)
+from jgrpo.config import load_config  # noqa: E402
+from jgrpo.train import Trainer  # noqa: E402
+
+trainer = Trainer(load_config(None, sys.argv[4:]))
+batch = np.load(directory / "batch.npz")
+first, stop = trainer.block.bounds(len(batch["rewards"]))
+rows = types.SimpleNamespace(  # Trainer.advantages reads these two fields
+    rewards=batch["rewards"][first:stop], valid=batch["valid"][first:stop]
+)
+advantages = trainer.advantages(rows)
+(directory / f"process{process}.json").write_text(
+    json.dumps({"rows": [first, stop], "advantages": advantages.tolist()})
+)
+"""
+
+
+def test_batch_scaled_advantages_use_every_process_rows(tmp_path):
+    """algorithm.scale=batch on two processes: each gets its rows' advantages of the whole
+    batch, equal to one process's computation over all rows. The two halves' rewards spread
+    differently (0/1 against 0/10), so a std from one process's rows would differ."""
+    rng = np.random.default_rng(0)
+    rewards = np.concatenate(
+        [rng.integers(0, 2, 16), 10 * rng.integers(0, 2, 16)]  # rows 0-15, rows 16-31
+    ).astype(np.float32)
+    valid = np.ones(32, bool)
+    valid[[3, 20]] = False  # unscored completions enter no statistic
+    np.savez(tmp_path / "batch.npz", rewards=rewards, valid=valid)
+    script = tmp_path / "advantages.py"
+    script.write_text(ADVANTAGES_OF_ONE_PROCESS)
+    settings = [*COMMON, "algorithm.scale=batch", "algorithm.std_ddof=1"]  # 8 x 4 = 32 rows
+    _run_python([str(script), str(tmp_path), "{port}", "{process}", *settings])
+
+    expected = jgrpo.group_advantages(
+        rewards, np.arange(32) // 4, 8, valid=valid, scale="batch", std_ddof=1
+    )
+    blocks = [json.loads((tmp_path / f"process{p}.json").read_text()) for p in range(2)]
+    assert sorted(tuple(block["rows"]) for block in blocks) == [(0, 16), (16, 32)]
+    for block in blocks:
+        first, stop = block["rows"]
+        np.testing.assert_allclose(
+            block["advantages"], np.asarray(expected)[first:stop], rtol=1e-6, atol=1e-7
+        )
+    one_half = jgrpo.group_advantages(
+        rewards[:16], np.arange(16) // 4, 4, valid=valid[:16], scale="batch", std_ddof=1
+    )
+    assert np.abs(np.asarray(one_half) - np.asarray(expected)[:16]).max() > 0.5  # it matters
 
 
 def test_a_run_directory_that_is_not_shared_stops_every_process(tmp_path):

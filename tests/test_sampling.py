@@ -1,6 +1,7 @@
 """The rollout engine: parity with transformers' generate, log-probs, filters, stops, compiles."""
 
 import contextlib
+import math
 import re
 
 import jax
@@ -179,6 +180,117 @@ def test_filter_logits_against_reference(filters):
         jax.random.key(1), filter_logits(row, **{**dict(top_k=0, top_p=1.0, min_p=0.0), **filters})
     )
     assert set(np.asarray(draws).tolist()) == set(np.flatnonzero(got[0]).tolist())
+
+
+def log_softmax_over(logits, kept):
+    """numpy reference: log_softmax of logits [B, V] over the kept tokens (-inf elsewhere)."""
+    z = np.where(kept, logits.astype(np.float64), -np.inf)
+    top = z.max(-1, keepdims=True)
+    return z - top - np.log(np.exp(z - top).sum(-1, keepdims=True))
+
+
+@pytest.mark.parametrize(
+    "logits, config, uniform, token, kept",
+    [
+        # top-k 2 of [2, 1, 0, -1]: the kept mass e^2 + e^1; u = 0.9 lies past p_0 = 0.731
+        ([2.0, 1.0, 0.0, -1.0], dict(top_k=2), 0.9, 1, [0, 1]),
+        # T = 0.5: z = [2, 1, 0, -6]; top-p 0.8 keeps {0, 1} (mass before token 2: 0.910)
+        ([1.0, 0.5, 0.0, -3.0], dict(temperature=0.5, top_p=0.8), 0.1, 0, [0, 1]),
+        # min-p 0.2 keeps p >= 0.2 p_max: e^-1 = 0.37 stays, e^-3 = 0.05 goes
+        ([0.0, -1.0, -3.0, -3.0], dict(min_p=0.2), 0.99, 1, [0, 1]),
+    ],
+)
+def test_sampler_logprob_is_over_the_kept_tokens_by_hand(logits, config, uniform, token, kept):
+    """The drawn token's sampler log-prob is z_y - log sum_{v in K} exp(z_v); its policy
+    log-prob stays z_y - log sum_v exp(z_v), z = logits / T."""
+    sampling = SamplingConfig(max_new_tokens=1, **config)
+    drawn, logprob, sampler_logprob = sampling_module.sample_tokens(
+        jnp.asarray([logits]), jnp.asarray([uniform]), sampling
+    )
+    z = [x / sampling.temperature for x in logits]
+    assert int(drawn[0]) == token
+    expected_sampler = z[token] - math.log(sum(math.exp(z[v]) for v in kept))
+    expected_policy = z[token] - math.log(sum(math.exp(v) for v in z))
+    np.testing.assert_allclose(float(sampler_logprob[0]), expected_sampler, rtol=1e-6)
+    np.testing.assert_allclose(float(logprob[0]), expected_policy, rtol=1e-6)
+    unfiltered = SamplingConfig(max_new_tokens=1, temperature=sampling.temperature)
+    _, logprob, sampler_logprob = sampling_module.sample_tokens(
+        jnp.asarray([logits]), jnp.asarray([uniform]), unfiltered
+    )
+    assert float(logprob[0]) == float(sampler_logprob[0])  # no filter: one distribution
+
+
+@pytest.mark.parametrize("filters", FILTERS)
+def test_sampler_logprobs_are_those_of_the_distribution_drawn_from(filters):
+    """Uniforms on a grid of M points through the sampler: each token is drawn for its share
+    of the grid, which is its probability to 1/M; exp(sampler log-prob) is that probability,
+    and those of the kept tokens add up to 1."""
+    grid = 20_000
+    logits = jax.random.normal(jax.random.key(4), (1, 300)) * 2.0  # 300: not a block multiple
+    sampling = SamplingConfig(max_new_tokens=1, temperature=0.8, **filters)
+    uniform = (jnp.arange(grid) + 0.5) / grid
+    tokens, logprobs, sampler_logprobs = sampling_module.sample_tokens(
+        jnp.tile(logits, (grid, 1)), uniform, sampling
+    )
+    tokens, sampler_logprobs = np.asarray(tokens), np.asarray(sampler_logprobs)
+    kept = allowed_sets(np.asarray(logits) / 0.8, **filters)[0]
+    assert set(tokens.tolist()) == set(np.flatnonzero(kept).tolist())
+    share = np.bincount(tokens, minlength=300) / grid
+    probability = {  # token -> exp(its sampler log-prob), the same at each of its draws
+        int(t): float(np.exp(sampler_logprobs[tokens == t][0])) for t in np.unique(tokens)
+    }
+    for t, p in probability.items():
+        assert abs(share[t] - p) <= 1 / grid + 1e-6, (t, share[t], p)
+    np.testing.assert_allclose(sum(probability.values()), 1.0, atol=1e-5)
+    expected = log_softmax_over(np.asarray(logits) / 0.8, kept[None])[0, tokens]
+    np.testing.assert_allclose(sampler_logprobs, expected, atol=1e-5)
+    policy = jax.nn.log_softmax(logits[0] / 0.8)[tokens]
+    np.testing.assert_allclose(np.asarray(logprobs), np.asarray(policy), atol=1e-5)
+
+
+@pytest.mark.parametrize("filters", FILTERS)
+def test_rollout_records_both_log_probs_under_filters(filters, hf_checkpoint):
+    """Against a full forward: `logprobs` are the policy's log_softmax(logits / T) and
+    `sampler_logprobs` the log_softmax over the tokens the filters kept, never below them."""
+    model = from_pretrained(hf_checkpoint("llama3")[0])
+    ids, mask = prompts(seed=2)
+    result = run(model, ids, mask, max_new_tokens=8, temperature=0.7, num_generations=4, **filters)
+    logits = full_forward_logits(model, ids, mask, result, 4) / 0.7  # [P*G, N, V]
+    flat = logits.reshape(-1, logits.shape[-1])
+    tokens, real = np.asarray(result.tokens).reshape(-1), np.asarray(result.mask).reshape(-1)
+    rows = np.arange(tokens.size)
+    kept = allowed_sets(flat, **filters)
+    expected_sampler = log_softmax_over(flat, kept)[rows, tokens]
+    expected_policy = log_softmax_over(flat, np.ones_like(kept))[rows, tokens]
+    sampler = np.asarray(result.sampler_logprobs).reshape(-1)
+    policy = np.asarray(result.logprobs).reshape(-1)
+    np.testing.assert_allclose(sampler[real], expected_sampler[real], atol=1e-4)
+    np.testing.assert_allclose(policy[real], expected_policy[real], atol=1e-4)
+    assert (sampler[real] >= policy[real] - 1e-5).all()
+    assert (sampler[real] - policy[real]).mean() > 0.01  # the filters did cut mass
+    np.testing.assert_array_equal(sampler[~real], 0.0)
+
+
+def test_the_update_gets_the_sampler_log_probs_of_the_filtered_distribution():
+    """With rollout.top_k=3 the trainer's batch carries the log-probs of the distribution the
+    tokens were drawn from (for the sampler correction, the off-policy mask and sampler/gap):
+    above the policy's (the update's old log-probs) by -log(kept mass) > 0 at every token."""
+    from jgrpo import tasks
+    from jgrpo.config import load_config
+    from jgrpo.train import Trainer
+
+    overrides = ["rollout.top_k=3", "mesh.devices=1", "task.reward_workers=0"]
+    trainer = Trainer(load_config(None, [*overrides, "rollout.max_new_tokens=6"]))
+    params = trainer.initial_params()
+    examples = tasks.take(trainer.task.train, 8, position=0, seed=0)
+    groups, _ = trainer.sample_and_score(params, None, examples, jax.random.key(0))
+    batch = trainer.to_batch(groups, np.zeros(len(groups.rewards), np.float32))
+    policy = trainer.block.local(trainer.frozen_logprobs(params, batch))
+    sampler = trainer.block.local(batch.sampler_logprobs)
+    real = groups.mask
+    assert real.sum() > 40
+    cut = sampler[real] - policy[real]  # -log(mass of the 3 kept tokens) per token
+    assert (cut > 0.05).all(), cut.min()
 
 
 @pytest.mark.parametrize("vocab", [5, 300, 1000])

@@ -102,3 +102,13 @@ def save_char_checkpoint(directory: pathlib.Path, *, tied: bool = False) -> path
     models.save_pretrained(models.Transformer(config, rngs=nnx.Rngs(0)), directory)
     tokenizer.save_pretrained(directory)
     return directory
+
+
+def save_generation_config(directory: pathlib.Path, eos_token_id) -> pathlib.Path:
+    """Writes the checkpoint's generation_config.json with transformers' own writer, as
+    instruct checkpoints ship it: `eos_token_id` an int or a list (Qwen2.5-Instruct lists
+    <|im_end|> and <|endoftext|>)."""
+    from transformers import GenerationConfig
+
+    GenerationConfig(eos_token_id=eos_token_id).save_pretrained(directory)
+    return directory / "generation_config.json"
