@@ -1,6 +1,6 @@
 """Memory planning: what each device holds during a step, read from the compiled programs.
 
-    python -m jgrpo.plan [CONFIG.yaml] [key=value ...] [--budget-gib 16]
+    python -m jgrpo.plan [CONFIG.yaml] [section.key=value ...] [smoke] [--budget-gib 16]
 
 The rollout, the update and a learned reward model's scoring are compiled ahead of time for
 the config's mesh (nothing runs). Parameters, optimizer state, the reference model and the
@@ -306,11 +306,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m jgrpo.plan",
         description="Per-device memory of a training config's rollout and update, from the "
-        "programs compiled for its mesh.",
+        "programs compiled for its mesh (nothing runs). It takes the arguments of "
+        "python -m jgrpo.train.",
+        epilog="python -m jgrpo.train --help lists every config key with its default.",
     )
-    parser.add_argument("--budget-gib", type=float, default=None, help="memory per device")
-    args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
-    path, overrides = parse_args(rest)
+    parser.add_argument(
+        "--budget-gib", type=float, default=None, metavar="GIB", help="memory per device"
+    )
+    parser.add_argument(
+        "config",
+        nargs="?",
+        metavar="CONFIG.yaml",
+        help="a recipe such as configs/gsm8k-qwen2.5-0.5b.yaml; without one, the demo",
+    )
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="section.key=value",
+        help="config overrides, later ones win; the word smoke plans the recipe's CPU check",
+    )
+    args = parser.parse_intermixed_args(sys.argv[1:] if argv is None else argv)
+    path, overrides = parse_args([*filter(None, [args.config]), *args.overrides])
     overrides = with_smoke(overrides)
     if path is None:
         overrides = [*DEMO_OVERRIDES, *overrides]
@@ -319,6 +335,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         trainer = Trainer(config)
     except ConfigError as error:
         print(f"config error: {error}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, ConnectionError) as error:  # a data or model source
+        print(f"error: {error}", file=sys.stderr)
         return 2
     budget = None if args.budget_gib is None else int(args.budget_gib * GIB)
     candidates = micro_batch_candidates(rows_per_minibatch(config)) if budget else ()

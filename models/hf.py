@@ -113,16 +113,41 @@ def _to_hf(value: np.ndarray, path: str, shape: tuple[int, ...]) -> np.ndarray:
 
 
 def resolve(path: str | os.PathLike) -> pathlib.Path:
-    """A local directory, or a hub name downloaded (or found in the HF cache)."""
-    local = pathlib.Path(path)
+    """A local directory, or a hub name downloaded (or found in the HF cache).
+
+    Each way it fails is one line naming the local route: a path that is neither a directory
+    nor a hub name (FileNotFoundError), a hub name while the hub cannot be reached and the
+    model is not in the cache (ConnectionError, at once: huggingface_hub gives up quickly).
+    """
+    local = pathlib.Path(path).expanduser()
     if local.is_dir():
         return local
-    if local.exists() or str(path).startswith((".", "/")):
+    if local.exists() or str(path).startswith((".", "/", "~")):
         raise FileNotFoundError(f"{path} is not a directory with config.json and safetensors.")
     from huggingface_hub import snapshot_download  # only for hub names
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HFValidationError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+    )
 
     patterns = ["config.json", "*.safetensors", "*.safetensors.index.json", *TOKENIZER_FILES]
-    return pathlib.Path(snapshot_download(str(path), allow_patterns=patterns))
+    local_route = "give a local HF checkpoint directory instead (model.path=, reward_model.path=)"
+    try:
+        return pathlib.Path(snapshot_download(str(path), allow_patterns=patterns))
+    except HFValidationError:
+        problem = "is neither a local directory nor a hub name (owner/name)"
+    except GatedRepoError:
+        raise  # its own message says how to ask for access and log in
+    except RepositoryNotFoundError:
+        problem = "is neither a local directory nor a model on the Hugging Face hub you can access"
+    except LocalEntryNotFoundError:
+        raise ConnectionError(
+            f"{path} is not a local directory, and the Hugging Face hub, where it would be "
+            f"downloaded from, cannot be reached (offline?): {local_route}."
+        ) from None
+    raise FileNotFoundError(f"{path} {problem}: {local_route}.")
 
 
 def _tensor_files(directory: pathlib.Path) -> dict[str, pathlib.Path]:

@@ -2,13 +2,21 @@
 
 import json
 import logging
+import socket
 import sys
 
 import numpy as np
 import pytest
+from offline import forbid_tfds_downloads, refusing_url
 
 from jgrpo.tasks.arithmetic import char_tokenizer
-from jgrpo.tasks.datasets import DatasetError, check_prompt_lengths, load_jsonl, load_tfds
+from jgrpo.tasks.datasets import (
+    DatasetError,
+    check_prompt_lengths,
+    load_jsonl,
+    load_tfds,
+    unreachable,
+)
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"}]
 
@@ -264,6 +272,34 @@ def test_tfds_unknown_dataset_is_an_error_without_network(tmp_path):
 
     with pytest.raises(tfds.core.registered.DatasetNotFoundError):
         load_tfds("jgrpo_no_such_dataset", "train", data_dir=tmp_path, download=False)
+
+
+def test_a_download_from_an_unreachable_host_fails_at_once(tmp_path, monkeypatch):
+    forbid_tfds_downloads(monkeypatch)
+    with refusing_url() as url:
+        host = url[len("http://") : -1]
+        with pytest.raises(ConnectionError) as raised:
+            load_tfds("gsm8k", "train", data_dir=tmp_path, download_url=url)
+    assert str(raised.value) == (
+        f"TFDS gsm8k is not prepared in {tmp_path / 'gsm8k' / '1.0.0'} and cannot be "
+        f"downloaded: no connection to {host} (Connection refused)."
+    )
+
+
+def test_the_probe_connects_to_the_host_or_to_the_proxy_set_for_its_scheme(monkeypatch):
+    for name in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        listening = f"https://127.0.0.1:{server.getsockname()[1]}/data.jsonl"
+        assert unreachable(listening) is None
+        with refusing_url() as url:
+            proxy = url[len("http://") : -1]
+            assert unreachable(url) == f"{proxy} (Connection refused)"
+            monkeypatch.setenv("https_proxy", url)  # downloads would go through the proxy
+            assert unreachable("https://example.com/data.jsonl") == unreachable(url)
+            assert unreachable(listening.replace("https", "http")) is None  # no http proxy
 
 
 def test_a_tfds_task_from_the_config_with_chat_prompts(tfds_dir):

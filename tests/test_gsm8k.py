@@ -4,11 +4,14 @@ import json
 import pathlib
 
 import pytest
+from offline import forbid_tfds_downloads, refusing_url
 
+from jgrpo.tasks import gsm8k
 from jgrpo.tasks.datasets import DatasetError
 from jgrpo.tasks.gsm8k import DEFAULT_SYSTEM, gsm8k_examples, gsm8k_task, parse_answer
 
-DATA = pathlib.Path(__file__).parent / "data" / "gsm8k"  # train.jsonl (3 rows), test.jsonl (2)
+ROOT = pathlib.Path(__file__).parent.parent
+DATA = ROOT / "tests" / "data" / "gsm8k"  # train.jsonl (3 rows), test.jsonl (2)
 
 
 @pytest.mark.parametrize(
@@ -91,6 +94,51 @@ def test_bad_sources_are_named():
         gsm8k_examples("train", source="csv")
 
 
+def test_the_recipe_page_counts_the_example_rows():
+    rows = {
+        split: len((DATA / f"{split}.jsonl").read_text().splitlines())
+        for split in ("train", "test")
+    }
+    page = " ".join((ROOT / "docs" / "recipes.md").read_text().split())
+    assert (
+        f"(`tests/data/gsm8k` is an example with {rows['train']} training and {rows['test']} "
+        "test rows)" in page
+    )
+
+
+def test_a_mistyped_path_says_so_in_one_line():
+    with pytest.raises(FileNotFoundError) as raised:
+        gsm8k_examples("train", source="jsonl", path=f"{DATA}k")
+    assert str(raised.value) == (
+        f"the GSM8K path {DATA}k does not exist: give task.path (path=) a folder holding "
+        "train.jsonl and test.jsonl, like tests/data/gsm8k."
+    )
+    with pytest.raises(FileNotFoundError, match="train.jsonl is a file: give task.path"):
+        gsm8k_examples("train", source="jsonl", path=DATA / "train.jsonl")
+
+
+def test_the_recipe_without_network_fails_at_once_naming_the_local_rows(tmp_path, monkeypatch):
+    """TFDS's gsm8k not prepared and its download host unreachable: one line that names
+    task.path, before TFDS starts a download (offline it retried for minutes, then ended in a
+    requests traceback)."""
+    from jgrpo.config import load_config
+    from jgrpo.train import build_task
+
+    forbid_tfds_downloads(monkeypatch)
+    config = load_config(
+        ROOT / "configs" / "gsm8k-qwen2.5-0.5b.yaml", ["smoke", f"task.data_dir={tmp_path}"]
+    )
+    with refusing_url() as url:
+        monkeypatch.setattr(gsm8k, "DOWNLOAD_URL", url)
+        with pytest.raises(ConnectionError) as raised:
+            build_task(config)
+    message = str(raised.value)
+    assert "\n" not in message
+    assert message.startswith(f"TFDS gsm8k is not prepared in {tmp_path}")
+    assert f"no connection to {url[7:-1]} (Connection refused)" in message
+    assert message.endswith(gsm8k.OFFLINE_HINT) and "task.path=DIR" in message
+
+
 @pytest.fixture(scope="module")
 def gsm8k_tfds_dir(tmp_path_factory):
     """A data_dir with a tiny `gsm8k` 1.0.0, shaped like TFDS's own, as ArrayRecord files."""
@@ -127,6 +175,13 @@ def test_tfds_source_reads_the_same_examples_offline(gsm8k_tfds_dir):
     from_tfds = gsm8k_examples("train", data_dir=gsm8k_tfds_dir)
     assert from_tfds == gsm8k_examples("train", source="jsonl", path=DATA)
     assert [e["answer"] for e in gsm8k_examples("test[:1]", data_dir=gsm8k_tfds_dir)] == ["120"]
+
+
+def test_a_prepared_copy_is_read_without_trying_the_download_host(gsm8k_tfds_dir, monkeypatch):
+    forbid_tfds_downloads(monkeypatch)
+    with refusing_url() as url:
+        monkeypatch.setattr(gsm8k, "DOWNLOAD_URL", url)
+        assert len(gsm8k_examples("train", data_dir=gsm8k_tfds_dir)) == 3
 
 
 def test_task_scores_with_the_math_and_layout_rewards(gsm8k_tfds_dir):

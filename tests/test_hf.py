@@ -141,3 +141,32 @@ def test_directory_without_safetensors(hf_checkpoint, tmp_path):
 def test_missing_directory():
     with pytest.raises(FileNotFoundError, match="not a directory"):
         from_pretrained("/nonexistent/checkpoint")
+
+
+@pytest.fixture
+def hub_offline(monkeypatch, tmp_path):
+    """huggingface_hub offline with an empty cache: a machine without network, for a model it
+    never downloaded (the same error as a failed connection, without waiting for one)."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+
+
+def test_a_hub_name_without_network_names_the_local_route(hub_offline):
+    with pytest.raises(ConnectionError) as raised:
+        from_pretrained("Qwen/Qwen2.5-0.5B-Instruct")
+    assert str(raised.value) == (
+        "Qwen/Qwen2.5-0.5B-Instruct is not a local directory, and the Hugging Face hub, where "
+        "it would be downloaded from, cannot be reached (offline?): give a local HF checkpoint "
+        "directory instead (model.path=, reward_model.path=)."
+    )
+
+
+def test_a_mistyped_local_path_says_so_in_one_line(hub_offline):
+    with pytest.raises(FileNotFoundError) as raised:
+        from_pretrained("runs/demo/hf_")
+    assert str(raised.value) == (
+        "runs/demo/hf_ is neither a local directory nor a hub name (owner/name): give a local "
+        "HF checkpoint directory instead (model.path=, reward_model.path=)."
+    )

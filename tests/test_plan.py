@@ -1,17 +1,21 @@
 """Memory planning from the compiled programs, and the start-up check of the training loop."""
 
 import dataclasses
+import pathlib
 
 import jax
 import jax.numpy as jnp
 import pytest
+from offline import forbid_tfds_downloads, refusing_url
 from tiny_hf import save_char_checkpoint
 
 from jgrpo import plan as plan_module
 from jgrpo.config import load_config
 from jgrpo.plan import OutOfMemoryPlan, micro_batch_candidates, plan_memory
+from jgrpo.tasks import gsm8k
 from jgrpo.train import Trainer, train
 
+ROOT = pathlib.Path(__file__).parent.parent
 SMALL = [
     "task.max_operand=4",
     "rollout.prompts_per_step=8",
@@ -117,6 +121,30 @@ def test_plan_command_line(capsys):
     assert code == 0
     assert "memory per device, mesh data=1 x fsdp=1 x tensor=1" in out
     assert float(out.split("peak")[1].split()[0]) > 0
+
+
+def test_plan_help_shows_the_config_and_the_overrides(capsys):
+    with pytest.raises(SystemExit) as exited:
+        plan_module.main(["--help"])
+    usage = " ".join(capsys.readouterr().out.split())  # as wrapped for any terminal width
+    assert exited.value.code == 0
+    assert usage.startswith(
+        "usage: python -m jgrpo.plan [-h] [--budget-gib GIB] [CONFIG.yaml] [section.key=value ...]"
+    )
+    assert "smoke" in usage and "python -m jgrpo.train --help" in usage
+
+
+def test_plan_of_the_gsm8k_recipe_without_network_is_one_line(tmp_path, monkeypatch, capsys):
+    """It hung in TFDS's download retries; now the download host is tried first."""
+    forbid_tfds_downloads(monkeypatch)
+    recipe = str(ROOT / "configs" / "gsm8k-qwen2.5-0.5b.yaml")
+    with refusing_url() as url:
+        monkeypatch.setattr(gsm8k, "DOWNLOAD_URL", url)
+        code = plan_module.main([recipe, "smoke", f"task.data_dir={tmp_path}"])
+    error = capsys.readouterr().err
+    assert code == 2
+    assert error.startswith("error: TFDS gsm8k is not prepared in") and error.count("\n") == 1
+    assert error.endswith(f"{gsm8k.OFFLINE_HINT}\n")
 
 
 def test_smaller_micro_batches_are_planned_as_the_trainer_would_run_them():

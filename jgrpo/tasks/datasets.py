@@ -15,7 +15,9 @@ source and its 1-based row number, and `on_error` decides what happens:
 Either way nothing is truncated: an over-long prompt is an error, not a shorter prompt.
 
 TFDS datasets are read through `tfds.data_source` (ArrayRecord files, random access), which
-needs neither TensorFlow nor a network once the dataset is prepared in `data_dir`.
+needs neither TensorFlow nor a network once the dataset is prepared in `data_dir`. Before a
+download, the host it comes from is tried for a few seconds (`unreachable`): offline, TFDS would
+retry for minutes and end in a network library's traceback.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ import json
 import logging
 import os
 import pathlib
+import socket
+import urllib.parse
+import urllib.request
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -41,6 +46,7 @@ Fields = Sequence[str] | Mapping[str, str] | None
 Check = Callable[[dict], str | None]  # a row's problem, or None when it is usable
 
 ON_ERROR = ("reject", "skip")
+PROBE_TIMEOUT_S = 5.0  # how long `unreachable` waits for a connection
 _SHOWN = 10  # problems quoted in a DatasetError; the count covers the rest
 
 
@@ -118,6 +124,7 @@ def load_tfds(
     on_error: str = "reject",
     check: Check | None = None,
     download: bool = True,
+    download_url: str | None = None,
 ) -> list[dict]:
     """Examples from a TFDS text dataset, by name and split (TFDS slicing like "train[:100]").
 
@@ -127,13 +134,23 @@ def load_tfds(
     and arrays become Python values and lists. The dataset is read with `tfds.data_source`
     from ArrayRecord files in `data_dir` (TFDS's default directory when None), without
     TensorFlow. When it is not prepared there and `download` is True it is downloaded and
-    prepared as ArrayRecord first, which needs a network.
+    prepared as ArrayRecord first, which needs a network. `download_url`, where the dataset
+    downloads from, is tried first when given: without a connection to it within
+    PROBE_TIMEOUT_S seconds, ConnectionError at once instead of minutes of retries.
     """
     check_choice("on_error", on_error, ON_ERROR)
     import tensorflow_datasets as tfds
 
     _import_text_builders()
     try:
+        if download and download_url is not None:
+            builder = tfds.builder(name, data_dir=data_dir, file_format="array_record")
+            problem = None if builder.is_prepared() else unreachable(download_url)
+            if problem is not None:
+                raise ConnectionError(
+                    f"TFDS {name} is not prepared in {builder.data_dir} and cannot be "
+                    f"downloaded: no connection to {problem}."
+                )
         source = tfds.data_source(
             name,
             split=split,
@@ -156,6 +173,21 @@ def load_tfds(
     records = ((row, _plain(record)) for row, record in enumerate(source, start=1))
     where = f"TFDS {name} ({split}" + (f", {data_dir})" if data_dir else ")")
     return _convert(records, where, prompt_field, fields, on_error, check)
+
+
+def unreachable(url: str, timeout: float = PROBE_TIMEOUT_S) -> str | None:
+    """Why no connection to `url`'s host (or to the proxy set for its scheme) opens within
+    `timeout` seconds, as "host:port (reason)"; None when one does."""
+    parts = urllib.parse.urlsplit(url)
+    proxy = urllib.request.getproxies().get(parts.scheme)
+    if proxy and not urllib.request.proxy_bypass(parts.hostname):
+        parts = urllib.parse.urlsplit(proxy if "://" in proxy else f"http://{proxy}")
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        socket.create_connection((parts.hostname, port), timeout=timeout).close()
+    except OSError as error:
+        return f"{parts.hostname}:{port} ({error.strerror or error})"
+    return None
 
 
 # The groups of TFDS's own builders that hold text datasets. TFDS imports all its builder
@@ -350,7 +382,7 @@ def _report(problems: list[str], source: str, total: int, on_error: str, kept: l
         raise DatasetError(f"{source}: no usable rows (of {total}).")
 
 
-__all__ = ["DatasetError", "check_prompt_lengths", "load_jsonl", "load_tfds"]
+__all__ = ["DatasetError", "check_prompt_lengths", "load_jsonl", "load_tfds", "unreachable"]
 
 
 def as_chat(examples: list[dict], system_prompt: str | None) -> list[dict]:

@@ -14,7 +14,8 @@ prompt asks for reasoning in <think></think> and the bare number in <answer></an
 outweighs a right answer.
 
 The data comes from TFDS (`gsm8k`, read without TensorFlow) or from local files in the layout
-of the original release: a directory with one `<split>.jsonl` file a split.
+of the original release: a directory with one `<split>.jsonl` file a split. Without a network
+and without a prepared TFDS copy, loading fails at once and names the local route.
 """
 
 from __future__ import annotations
@@ -30,6 +31,13 @@ DEFAULT_SYSTEM = (
     "Solve the user's math problem. First reason through it step by step inside "
     "<think></think> tags, then give only the final number inside <answer></answer> tags, "
     "for example: <think>...</think><answer>42</answer>"
+)
+
+# Where TFDS's gsm8k builder downloads the original release from (tried before a download).
+DOWNLOAD_URL = "https://raw.githubusercontent.com/openai/grade-school-math/"
+OFFLINE_HINT = (
+    "Offline, read local files instead: task.path=DIR (source='jsonl', path=DIR from Python), "
+    "a folder holding train.jsonl and test.jsonl like tests/data/gsm8k."
 )
 
 _MARK = "####"
@@ -91,13 +99,22 @@ def gsm8k_examples(
         check=_row_problem,
     )
     if source == "tfds":
-        rows = load_tfds("gsm8k", split, data_dir=data_dir, **options)
+        try:
+            rows = load_tfds(
+                "gsm8k", split, data_dir=data_dir, download_url=DOWNLOAD_URL, **options
+            )
+        except ConnectionError as error:
+            raise ConnectionError(f"{error} {OFFLINE_HINT}") from None
     elif source == "jsonl":
         if path is None:
             raise ValueError("source='jsonl' needs path=, a directory of <split>.jsonl files.")
-        directory = pathlib.Path(path)
+        directory = pathlib.Path(path).expanduser()
         if not directory.is_dir():
-            raise ValueError(f"path must be a directory of <split>.jsonl files, got {path}.")
+            what = "is a file" if directory.exists() else "does not exist"
+            raise FileNotFoundError(
+                f"the GSM8K path {path} {what}: give task.path (path=) a folder holding "
+                "train.jsonl and test.jsonl, like tests/data/gsm8k."
+            )
         candidates = [directory / f"{split}{suffix}" for suffix in (".jsonl", ".json")]
         found = [file for file in candidates if file.is_file()]
         if not found:
@@ -174,4 +191,4 @@ def gsm8k_task(
     )
 
 
-__all__ = ["DEFAULT_SYSTEM", "gsm8k_examples", "gsm8k_task", "parse_answer"]
+__all__ = ["DEFAULT_SYSTEM", "DOWNLOAD_URL", "gsm8k_examples", "gsm8k_task", "parse_answer"]
