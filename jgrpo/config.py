@@ -329,7 +329,9 @@ class TaskSection:
         None, "chat prompts start with this system message (gsm8k: None keeps its own)"
     )
     rewards: str | None = option(
-        None, "'name:weight,...' of built-in rewards; None: the task's own (jsonl, tfds: required)"
+        None,
+        "'name:weight,...' of built-in rewards or your own module:function[:weight]; None: the "
+        "task's own (jsonl, tfds: required)",
     )
     on_error: str = option("reject", "malformed rows or too-long prompts: reject or skip")
     chat: bool = option(False, "addition / json_extraction / jsonl / tfds: as chat messages")

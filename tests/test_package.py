@@ -1,13 +1,17 @@
 """The package as users meet it: public names, the README and library examples, the quickstart,
 the layout."""
 
+import os
 import pathlib
 import re
+import shutil
+import signal
 import subprocess
 import sys
 
 import jax
 import numpy as np
+from xla_flags import xla_flags
 
 import jgrpo
 
@@ -134,3 +138,42 @@ def test_a_models_package_of_the_users_own_neither_shadows_nor_is_shadowed(tmp_p
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path
     )
     assert out.stdout.split() == ["the", "user", "2"]
+
+
+def run_bounded(command: list[str], cwd: pathlib.Path, timeout_s: float, stdin=None):
+    """Runs `command` in a session of its own, killed with all its children after `timeout_s`,
+    so a process that restarts its workers forever fails the test instead of hanging it."""
+    env = {**os.environ, "XLA_FLAGS": xla_flags()}  # one device, as on a user's machine
+    with subprocess.Popen(
+        command,
+        cwd=cwd,
+        env=env,
+        stdin=stdin,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    ) as process:
+        try:
+            output, _ = process.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            output, _ = process.communicate()
+            raise AssertionError(f"{command} ran past {timeout_s} s:\n{output[-3000:]}") from None
+    return process.returncode, output
+
+
+def test_readme_custom_task_example_trains_as_a_script_file_and_from_stdin(tmp_path):
+    """The example saved as a file, without a __main__ guard, reward workers on (the default):
+    its reward function lives in __main__, which no worker can import without running the
+    script, and train(), again; it runs in the training process. Both ways train once."""
+    script = tmp_path / "example.py"
+    script.write_text(python_block("from jgrpo.config"))
+    metrics = tmp_path / "runs" / "zeros" / "metrics.jsonl"
+    for command in ([sys.executable, str(script)], [sys.executable, "-"]):
+        with script.open() as stdin:
+            returncode, output = run_bounded(command, tmp_path, 300, stdin=stdin)
+        assert returncode == 0, output[-3000:]
+        assert "bootstrapping" not in output
+        assert len(metrics.read_text().splitlines()) == 2
+        shutil.rmtree(tmp_path / "runs")

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from jgrpo.rewards import RewardError, score_completions
+from jgrpo.rewards.pool import VerifierTimeout
 
 
 def length_reward(prompts, completions, **_):
@@ -80,19 +81,60 @@ def test_too_many_failures_stop_the_step_with_a_clear_message():
     def broken(prompts, completions, **_):
         raise KeyError("answer")
 
-    with pytest.raises(RewardError, match=r"4 of 8 reward scores failed.*broken: 4"):
-        score_completions({"broken": broken, "len": length_reward}, {}, ["p"] * 4, ["a"] * 4, {})
+    with pytest.raises(RewardError, match=r"2 of 8 reward scores failed.*broken: 2.*share 0.2"):
+        score_completions(
+            {"broken": broken, "len": length_reward},
+            {},
+            ["p"] * 4,
+            ["a"] * 4,
+            {},
+            max_failure_share=0.2,  # 1.6 of 8 scores may fail: the second failure stops it
+        )
 
 
-def test_nan_counts_as_a_failure():
-    def nan_reward(prompts, completions, **_):
-        return [float("nan"), 1.0]
+class TimingOutPool:
+    """A pool whose every call times out, counting the calls (the seconds they would cost)."""
 
-    scores = score_completions(
-        {"n": nan_reward}, {}, ["p"] * 2, ["a", "b"], {}, max_failure_share=1
-    )
-    assert scores.failures == {"n": 1}
-    assert scores.valid.tolist() == [False, True]
+    def __init__(self):
+        self.calls = 0
+
+    def run(self, fn, kwargs, *, name):
+        self.calls += 1
+        raise VerifierTimeout(f"reward function {name!r} took longer than 60 s")
+
+
+def test_a_reward_that_always_hangs_stops_the_step_once_the_failure_share_is_passed():
+    """Its batch call times out, then each row's: the retries stop at the first failure past
+    the share (0.1 x 32 = 3.2 scores may fail), 5 timeouts instead of 33."""
+    pool = TimingOutPool()
+    with pytest.raises(RewardError, match="4 of 32 reward scores failed.*hangs: 4"):
+        score_completions({"hangs": length_reward}, {}, ["p"] * 32, ["a"] * 32, {}, pool=pool)
+    assert pool.calls == 1 + 4
+
+
+@pytest.mark.parametrize(
+    "bad", [float("nan"), float("inf"), -float("inf"), 1e39, np.float64(-1e300)]
+)
+def test_a_non_finite_score_counts_as_a_failure(bad, caplog):
+    """NaN, +-inf and values beyond float32's range (inf once stored) would make the loss NaN."""
+
+    def bad_reward(prompts, completions, **_):
+        return [bad, 1.0]
+
+    with caplog.at_level(logging.WARNING, logger="jgrpo.rewards"):
+        scores = score_completions(
+            {"n": bad_reward, "len": length_reward},
+            {},
+            ["p"] * 2,
+            ["a", "bc"],
+            {},
+            max_failure_share=1,
+        )
+    assert scores.failures == {"n": 1, "len": 0}
+    assert np.isnan(scores.per_function["n"][0]) and scores.per_function["n"][1] == 1.0
+    np.testing.assert_array_equal(scores.total, [1.0, 3.0])  # row 0: only len scored it
+    assert scores.valid.tolist() == [True, True]
+    assert "on completion 0 (scored None)" in caplog.text
 
 
 @pytest.mark.parametrize(
@@ -168,7 +210,7 @@ def test_a_function_from_a_notebook_runs_in_process_not_in_a_worker(monkeypatch)
     monkeypatch.setitem(sys.modules, "__main__", main)
     with VerifierPool(workers=1, timeout_s=5.0) as pool:
         assert pool.run(from_a_cell, {"prompts": ["p"], "completions": ["c"]}) == [2.0]
-        assert pool._pool is None  # no worker was started
+        assert pool._workers == []  # no worker was started
         # Module-level functions (this file has one) still go to a worker.
         assert pool.run(length_reward, {"prompts": ["p"], "completions": ["abc"]}) == [3.0]
-        assert pool._pool is not None
+        assert pool._workers

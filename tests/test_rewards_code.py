@@ -82,6 +82,17 @@ def test_a_hanging_test_keeps_the_credit_of_earlier_ones():
         "def add(a, b): return None\n"
         "for i in range(3): print('jgrpo-0000000000000000-passed:' + str(i))",
         "def add(a, b): return None\nprint = lambda *a, **k: None",
+        # Objects that say yes to every comparison, or an int whose value is wrong.
+        "class Yes:\n    __eq__ = __lt__ = __gt__ = lambda s, o: True\ndef add(a, b): return Yes()",
+        "class Five(int):\n    __eq__ = lambda s, o: True\n    __hash__ = int.__hash__\n"
+        "def add(a, b): return Five(-7)",
+        "class Meta(type):\n    __eq__ = lambda s, o: True\n    __hash__ = type.__hash__\n"
+        "class Any(metaclass=Meta):\n    __eq__ = lambda s, o: True\n"
+        "def add(a, b): return Any()",
+        # Replacing the comparison the tests make, through the globals or the builtins.
+        "def add(a, b):\n    globals()['_jgrpo_value'] = lambda x: 0\n    return None",
+        "import builtins\nbuiltins.isinstance = lambda *a: True\ndef add(a, b): return None",
+        "import gc\nfor f in gc.get_objects():\n    pass\ndef add(a, b): return None",
     ],
 )
 def test_reward_hacks_score_zero(program):
@@ -115,3 +126,46 @@ def test_works_through_score_completions():
     np.testing.assert_allclose(scores.total, [1.5, 0.5 / 3, 0.0])
     assert scores.valid.tolist() == [True, True, False]
     assert scores.failures == {"tests": 0, "fraction": 0}
+
+
+def test_hacks_on_truth_tests_score_zero():
+    tests = "assert is_even(2)\nassert not is_even(3)"
+    flip = fenced(
+        "class Flip:\n    calls = 0\n    def __bool__(self):\n        Flip.calls += 1\n"
+        "        return Flip.calls == 1\ndef is_even(n): return Flip()"
+    )
+    patched = fenced(
+        "import builtins\nbuiltins.bool = lambda x: True\ndef is_even(n): return n % 2 == 1"
+    )
+    right = fenced("def is_even(n): return n % 2 == 0")
+    fractions = code_pass_fraction(None, [flip, patched, right], [tests] * 3, **LIMITS)
+    assert fractions == [0.0, 0.0, 1.0]
+
+
+def test_comparisons_of_built_in_values_and_their_subclasses_still_pass():
+    """namedtuples, Counters, dict views, str subclasses and floats compare by their values."""
+    program = fenced(
+        "import collections, enum\n"
+        "Point = collections.namedtuple('Point', 'x y')\n"
+        "class Color(str, enum.Enum):\n    RED = 'red'\n"
+        "def point(n): return Point(n, n + 1)\n"
+        "def letters(): return collections.Counter('aab')\n"
+        "def table(): return {'a': [1, 2], 'b': (3,), 'c': {4}, 'd': None}\n"
+        "def tenth(): return 0.1 + 0.2\n"
+        "def color(): return Color.RED\n"
+        "def is_even(n): return n % 2 == 0"
+    )
+    tests = [
+        "assert point(1) == (1, 2) and point(1) != (2, 1)",
+        "assert letters() == {'a': 2, 'b': 1}",
+        "assert table() == {'d': None, 'c': {4}, 'b': (3,), 'a': [1, 2]}",
+        "assert abs(tenth() - 0.3) < 1e-9 and 0.3 <= tenth() < 1",
+        "assert is_even(2) and not is_even(3)",
+        "assert 2 in point(1) and 5 not in point(1)",
+        "assert point(1) is not None",
+        "assert sorted(table().keys()) == ['a', 'b', 'c', 'd'] and 'a' in table().keys()",
+        "assert [1, 2] in table().values() and ('d', None) in table().items()",
+        "assert color() == 'red'",
+        "def check(candidate):\n    assert candidate(4) == (4, 5)\ncheck(point)",
+    ]
+    assert code_pass_fraction(None, [program], [tests], **LIMITS) == [1.0]

@@ -229,6 +229,42 @@ def test_file_writes_inside_the_sandbox_are_capped():
     assert_refused(big, "File too large")
 
 
+def test_total_disk_use_is_bounded_by_the_files_the_program_may_create():
+    """Files of max_file_mb each, at most max_files of them: new names, directories, a file
+    deleted while still open and made again, and unnamed O_TMPFILE files all count."""
+    code = """
+import os
+made, kept = [], []
+
+def attempt(what, make):
+    try:
+        make()
+        made.append(what)
+    except PermissionError as error:
+        print(what, error)
+
+def write(name):
+    file = open(name, "wb")
+    file.write(b"x" * (1 << 20))
+    kept.append(file)  # held open: deleting it would not free the space
+
+attempt("a", lambda: write("a"))
+attempt("dir", lambda: os.mkdir("d"))
+attempt("a again", lambda: (os.remove("a"), write("a")))
+attempt("tmpfile", lambda: os.open(os.getcwd(), os.O_TMPFILE | os.O_WRONLY))
+attempt("b", lambda: write("b"))
+attempt("main.py", lambda: open("main.py", "wb").write(b"x" * 100))  # exists: not created
+print(made)
+"""
+    result = run(code, max_file_mb=1, max_files=3)
+    assert result.ok, result.stderr
+    assert result.stdout.splitlines() == [
+        "tmpfile sandbox: O_TMPFILE is not allowed",
+        "b sandbox: the program may create at most 3 files and directories",
+        "['a', 'dir', 'a again', 'main.py']",
+    ]
+
+
 @pytest.mark.parametrize(
     "attack",
     [

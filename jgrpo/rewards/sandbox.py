@@ -18,8 +18,14 @@ What one run does (`run_python`):
   path (its audit event does not say which directory `dir_fd` names); loading `ctypes` and
   other C modules that could switch the hook off or touch files behind its back; raising
   resource limits; `sys.settrace`/`sys.setprofile`, new code objects, and changes to the
-  hook's own functions (each could rewrite the hook's checks); a few functions that raise no
-  audit event (`os.mknod`, `os.mkfifo`, `os.pidfd_open`, `os.chroot`, ...) are deleted;
+  hook's own functions (each could rewrite the hook's checks); `gc.get_objects`,
+  `gc.get_referrers` and `gc.get_referents` (walking the heap to other functions); a few
+  functions that raise no audit event (`os.mknod`, `os.mkfifo`, `os.pidfd_open`,
+  `os.chroot`, ...) are deleted;
+- the hook also counts the files and directories the program creates (deleted ones too) and
+  refuses more than `max_files`, and unnamed `O_TMPFILE` files, so with the file size limit
+  the program writes at most `max_files x max_file_mb` to the disk in all (256 MiB at the
+  defaults), besides its own source;
 - stdout and stderr are read as they come, so a flood of output cannot fill memory: each keeps
   its first and last `max_output_bytes / 2` bytes.
 
@@ -83,16 +89,20 @@ def run_python(
     memory_mb: int = 512,
     max_output_bytes: int = 64_000,
     max_file_mb: int = 16,
+    max_files: int = 16,
 ) -> RunResult:
     """Runs `code` as a Python program in a sandboxed child process; see the module docstring.
 
     The program reads `stdin`, may write files only inside its own temporary working directory
-    (each at most `max_file_mb`), and is killed with its whole process group after `timeout_s`
-    wall-clock seconds. `memory_mb` caps its address space (allocations beyond raise
-    MemoryError).
+    (at most `max_files` files and directories, each file at most `max_file_mb`), and is killed
+    with its whole process group after `timeout_s` wall-clock seconds. `memory_mb` caps its
+    address space (allocations beyond raise MemoryError).
     """
-    if timeout_s <= 0 or memory_mb <= 0 or max_output_bytes <= 0 or max_file_mb <= 0:
-        raise ValueError("timeout_s, memory_mb, max_output_bytes and max_file_mb must be > 0")
+    limits = (timeout_s, memory_mb, max_output_bytes, max_file_mb, max_files)
+    if min(limits) <= 0:
+        raise ValueError(
+            "timeout_s, memory_mb, max_output_bytes, max_file_mb and max_files must be > 0"
+        )
     workdir = os.path.realpath(tempfile.mkdtemp(prefix="jgrpo-sandbox-"))
     try:
         program = os.path.join(workdir, PROGRAM_NAME)
@@ -106,6 +116,7 @@ def run_python(
             str(math.ceil(timeout_s) + 1),  # CPU seconds: a backstop under the wall clock
             str(memory_mb << 20),
             str(max_file_mb << 20),
+            str(max_files),
         ]
         env = {"PATH": "/usr/bin:/bin", "LC_ALL": "C.UTF-8", "HOME": workdir, "TMPDIR": workdir}
         with tempfile.TemporaryFile() as stdin_file:  # a file, so a large stdin cannot block us
@@ -155,6 +166,7 @@ def run_many(
     memory_mb: int = 512,
     max_output_bytes: int = 64_000,
     max_file_mb: int = 16,
+    max_files: int = 16,
 ) -> list[RunResult]:
     """Runs several programs, `max_workers` at a time; results in the order of `jobs`.
 
@@ -171,6 +183,7 @@ def run_many(
             memory_mb=memory_mb,
             max_output_bytes=max_output_bytes,
             max_file_mb=max_file_mb,
+            max_files=max_files,
         )
 
     if not jobs:
@@ -267,20 +280,22 @@ def _child_main() -> None:
     """The child: lower the resource limits, install the audit hook, run the program.
 
     Its source is sent to the child (`_bootstrap`), so it uses no module-level names.
-    argv: working directory, program path, CPU seconds, address-space bytes, file-size bytes.
+    argv: working directory, program path, CPU seconds, address-space bytes, file-size bytes,
+    files and directories the program may create.
 
     The hook keeps all its state in default arguments holding immutable values and built-in
     functions, and looks up no globals, so the program cannot change what it checks by
     patching modules (`os.path.realpath = ...`) or builtins.
     """
     import builtins
+    import itertools
     import os
     import posix
     import resource
     import sys
 
     workdir, program_path = sys.argv[1], sys.argv[2]
-    cpu_s, address_bytes, file_bytes = (int(value) for value in sys.argv[3:6])
+    cpu_s, address_bytes, file_bytes, max_files = (int(value) for value in sys.argv[3:7])
 
     # Resource limits. RLIMIT_NPROC is per user (processes and threads) and is not enforced
     # for root: there the hook below is what stops fork and exec.
@@ -389,6 +404,8 @@ def _child_main() -> None:
             # A trace or profile function can rewrite a running hook's local variables.
             *("sys.settrace", "sys.setprofile", "sys.monitoring.register_callback"),
             "code.__new__",  # hand-made bytecode can read and write arbitrary memory
+            # Reaching objects by walking the heap: the code rewards' comparison functions.
+            *("gc.get_objects", "gc.get_referrers", "gc.get_referents"),
             "fcntl.ioctl",
         }
     )
@@ -426,6 +443,7 @@ def _child_main() -> None:
         ("os.fwalk", False, ((0, 4),)),
     )
     path_event_names = frozenset(name for name, _, _ in path_events)
+    created = itertools.count()  # files and directories made: only next() changes it
 
     def audit(
         event,
@@ -435,6 +453,10 @@ def _child_main() -> None:
         _resolve=resolve,
         _check=check,
         _stat=posix.stat,
+        _next=next,
+        _created=created,
+        _max_files=max_files,
+        _tmpfile=os.O_TMPFILE,
         _sandbox=sandbox,
         _install=install,
         _write_flags=write_flags,
@@ -461,10 +483,17 @@ def _child_main() -> None:
             )
             _check(event, target, writing)
             if (target + "/").startswith(_sandbox):
+                if flags & _tmpfile == _tmpfile:  # unnamed files would escape the count
+                    raise _deny("sandbox: O_TMPFILE is not allowed")
                 try:
                     kind = _stat(target).st_mode & 0o170000
-                except OSError:
-                    return  # a new file
+                except OSError:  # a new file
+                    if writing and _next(_created) >= _max_files:
+                        raise _deny(
+                            f"sandbox: the program may create at most {_max_files} files and "
+                            "directories"
+                        ) from None
+                    return
                 if kind not in (0o100000, 0o040000):  # only regular files and directories
                     raise _deny("sandbox: only regular files may be opened")
         elif event == "import":
@@ -489,6 +518,10 @@ def _child_main() -> None:
                     for path_index, fd_index in slots:
                         dir_fd = args[fd_index] if 0 <= fd_index < _len(args) else None
                         _check(event, _resolve(args[path_index], dir_fd), writing)
+            if event == "os.mkdir" and _next(_created) >= _max_files:
+                raise _deny(
+                    f"sandbox: the program may create at most {_max_files} files and directories"
+                )
 
     # Positional defaults only: a tuple cannot be changed in place (a __kwdefaults__ dict can).
     audit.__defaults__ = (*audit.__defaults__[:-1], (audit, resolve, check))
