@@ -13,6 +13,7 @@ import dataclasses
 import difflib
 import inspect
 import json
+import math
 import pathlib
 import types
 import typing
@@ -564,6 +565,7 @@ class Config:
 
     def check(self) -> Config:
         for section in dataclasses.fields(self):
+            _check_finite(section.name, getattr(self, section.name))
             getattr(self, section.name).check()
         rows = self.rollout.prompts_per_step * self.rollout.num_generations
         parts = self.algorithm.num_minibatches * self.algorithm.grad_accumulation
@@ -585,6 +587,18 @@ class Config:
         if chosen != "auto":
             return chosen
         return "token" if self.rollout.weights_dtype == "bfloat16" else "none"
+
+
+def _check_finite(name: str, section: Any) -> None:
+    """NaN and inf pass every range check (`nan <= 0` is False) and would reach the
+    optimizer or the loss, so no float setting may hold one."""
+    for field in dataclasses.fields(section):
+        value = getattr(section, field.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(
+                f"{name}.{field.name} must be a finite number, got {value}; set a real value "
+                "(a large one where you meant no limit)."
+            )
 
 
 _SECTIONS = {
@@ -719,23 +733,69 @@ def load_config(path: str | pathlib.Path | None = None, overrides: Sequence[str]
     CPU check of any recipe). The YAML file holds one mapping per section. Raises ConfigError
     naming the key for an unknown key (with the closest valid ones), a wrong type or an
     impossible value.
+
+    Without a path this is the plain defaults, not the demo that `python -m jgrpo.train` runs
+    without a YAML file (that one learns sums of 0-4, the defaults' task those of 0-9):
+    `demo_config(overrides)` is the CLI's config.
     """
     overrides = with_smoke(overrides)
     tree: dict[str, Any] = {}
     if path is not None:
-        loaded = yaml.safe_load(pathlib.Path(path).read_text()) or {}
-        if not isinstance(loaded, dict):
-            kind = type(loaded).__name__
-            raise ConfigError(f"{path} must hold a mapping of sections, got {kind}.")
-        tree = loaded
+        tree = _read_yaml(pathlib.Path(path))
     for override in overrides:
         key, sep, text = override.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {override!r} must look like section.key=value.")
         if key.strip() not in field_names():
             raise _unknown(key.strip())
-        _set_dotted(tree, key.strip(), yaml.safe_load(text) if text.strip() else None)
+        try:
+            value = yaml.safe_load(text) if text.strip() else None
+        except yaml.YAMLError as error:
+            raise ConfigError(
+                f"override {override!r}: the value is not valid YAML ({_yaml_problem(error)}); "
+                f"fix it, or quote a string inside the shell's quotes: \"{key.strip()}='{text}'\"."
+            ) from None
+        _set_dotted(tree, key.strip(), value)
     return _build(Config, tree, "").check()
+
+
+def demo_config(overrides: Sequence[str] = ()) -> Config:
+    """What `python -m jgrpo.train [overrides]` runs without a YAML file: the defaults, then
+    DEMO_OVERRIDES (configs/demo.yaml), then the word `smoke`'s and each of `overrides`.
+
+    Use it from Python to evaluate or resume a run started that way: `load_config(None)` is
+    the plain defaults, whose task differs."""
+    return load_config(None, [*DEMO_OVERRIDES, *with_smoke(overrides)])
+
+
+def _read_yaml(path: pathlib.Path) -> dict[str, Any]:
+    """The mapping of sections a YAML config file holds; ConfigError naming the file when it
+    is a folder, not UTF-8 or not valid YAML (a missing file raises FileNotFoundError)."""
+    if path.is_dir():
+        raise ConfigError(
+            f"{path} is a folder, not a config file; give a YAML file (e.g. configs/demo.yaml)."
+        )
+    try:
+        loaded = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as error:
+        raise ConfigError(
+            f"{path} is not UTF-8 text (byte {error.start}: {error.reason}); save it as UTF-8."
+        ) from None
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{path} is not valid YAML: {_yaml_problem(error)}; fix it.") from None
+    if not isinstance(loaded, dict):
+        kind = type(loaded).__name__
+        raise ConfigError(f"{path} must hold a mapping of sections, got {kind}.")
+    return loaded
+
+
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    """PyYAML's error in one line: the problem and where (line and column, from 1)."""
+    mark = getattr(error, "problem_mark", None)
+    problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+    if mark is None:
+        return problem
+    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}"
 
 
 def _type_name(hint: Any) -> str:
@@ -801,7 +861,9 @@ def format_markdown() -> str:
         "- The word `smoke` inserts the [smoke overrides](#the-demo-and-smoke) before yours: a "
         "quick CPU check of any recipe.",
         "- From Python: `jgrpo.config.load_config(path, overrides)` returns the validated "
-        "`Config`.",
+        "`Config`. Without a path it starts from the defaults below, not from the demo: "
+        "`jgrpo.config.demo_config(overrides)` is what the command line runs without a YAML "
+        "file.",
         "- Unknown keys (with the closest valid ones), wrong types and impossible values are "
         "errors that name the key, raised before anything runs.",
         "",

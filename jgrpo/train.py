@@ -10,8 +10,9 @@ Each step:
 5. update: `jgrpo.train_step` (mu passes x minibatches, one jitted program, donated state);
 6. metrics; every N steps an evaluation and a checkpoint.
 
-Rerunning the same command with the same `train.run_dir` resumes from the last checkpoint;
-SIGTERM (TPU preemption) saves one and exits 0. With no arguments the CPU demo runs.
+Rerunning the same command with the same `train.run_dir` resumes from the newest intact
+checkpoint; SIGTERM (TPU preemption) or Ctrl-C saves one and exits 0 (a second Ctrl-C exits at
+once); a second run on a `train.run_dir` in use is refused. With no arguments the CPU demo runs.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import os
 import pathlib
 import signal
+import socket
 import sys
 import threading
 import time
@@ -35,17 +38,18 @@ import numpy as np
 
 from jgrpo import distributed, tasks
 from jgrpo.advantages import group_advantages
-from jgrpo.checkpoint import Checkpointer
+from jgrpo.checkpoint import CheckpointDamaged, Checkpointer
 from jgrpo.config import (
     DEMO_OVERRIDES,
     SMOKE_OVERRIDES,
     Config,
     ConfigError,
+    TaskSection,
     changed_settings,
+    demo_config,
     format_help,
     load_config,
     to_dict,
-    with_smoke,
 )
 from jgrpo.generation import encode_prompts, pad_prompts, stop_token_ids
 from jgrpo.huge_pages import reexec_with_huge_pages
@@ -57,6 +61,7 @@ from jgrpo.packing import completion_lengths, pack_completions, packed_row_count
 from jgrpo.plan import check_memory
 from jgrpo.rewards import Scores, score_completions
 from jgrpo.rewards.pool import VerifierPool
+from jgrpo.rewards.registry import RewardSpecError
 from jgrpo.sampling import Rollout, SamplingConfig, rollout
 from jgrpo.sharding import (
     abstract_arrays,
@@ -67,6 +72,7 @@ from jgrpo.sharding import (
     rules_context,
     tree_shardings,
 )
+from jgrpo.tasks.datasets import DatasetError
 from jgrpo.update import (
     Batch,
     TrainState,
@@ -84,7 +90,13 @@ PROMPT_WIDTH_MULTIPLE = 8
 
 
 class TrainingDiverged(RuntimeError):
-    """The loss or the gradients stopped being finite; nothing was saved after that."""
+    """The loss, the gradients or the updated weights stopped being finite; nothing was saved
+    after that."""
+
+
+class RunDirInUse(RuntimeError):
+    """Another run holds `train.run_dir`: two runs there would interleave their checkpoints
+    and metrics."""
 
 
 @dataclasses.dataclass
@@ -1194,7 +1206,8 @@ def _frozen_logprobs(
 
 
 def _update_metrics(update: dict[str, np.ndarray]) -> dict[str, float]:
-    """Means over the [num_iterations, num_minibatches] optimizer steps (lr: the last)."""
+    """Means over the [num_iterations, num_minibatches] optimizer steps (lr and params_norm:
+    the last)."""
     names = {
         "loss": "loss",
         "kl_mean": "kl",
@@ -1210,30 +1223,89 @@ def _update_metrics(update: dict[str, np.ndarray]) -> dict[str, float]:
         "off_policy_masked_frac": "off_policy/masked_frac",
     }
     metrics = {ours: float(np.mean(update[key])) for key, ours in names.items() if key in update}
-    if "lr" in update:
-        metrics["lr"] = float(np.asarray(update["lr"]).reshape(-1)[-1])
+    for last in ("lr", "params_norm"):
+        if last in update:
+            metrics[last] = float(np.asarray(update[last]).reshape(-1)[-1])
     return metrics
 
 
+def _non_finite(metrics: Mapping[str, float]) -> str:
+    """'name=value' of each divergence sign among the update's metrics ('' if none): a
+    non-finite loss or gradient norm (before the update), or a non-finite norm of the
+    updated parameters (NaN, or weights past ~1.8e19 whose squares overflow float32)."""
+    names = ("loss", "grad_norm", "params_norm")
+    return " ".join(
+        f"{name}={metrics[name]}" for name in names if not np.isfinite(metrics.get(name, 0.0))
+    )
+
+
 class _Preemption:
-    """Turns SIGTERM into a flag the loop checks between steps (main thread only)."""
+    """Turns SIGTERM and a first Ctrl-C (SIGINT) into a flag the loop checks between steps
+    (main thread only). The first Ctrl-C puts back the SIGINT handler it replaced, so a second
+    one acts as it would without the loop: Python's raises KeyboardInterrupt; the CLI's
+    (the system default) ends the process at once. An ignored SIGINT stays ignored."""
 
     def __init__(self):
         self.requested = False
-        self._previous = None
+        self._previous: dict[int, Any] = {}
 
     def __enter__(self):
         if _in_main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
+            self._previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._handle)
+            if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+                self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._handle)
         return self
 
     def _handle(self, signum, frame):
-        logger.warning("SIGTERM: saving a checkpoint after this step, then exiting.")
+        if signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, self._previous.pop(signal.SIGINT))
+            logger.warning(
+                "Ctrl-C: saving a checkpoint after this step, then exiting (Ctrl-C again: "
+                "exit at once, without saving this step)."
+            )
+        else:
+            logger.warning("SIGTERM: saving a checkpoint after this step, then exiting.")
         self.requested = True
 
     def __exit__(self, *exc):
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
+        for signum, handler in self._previous.items():
+            if handler is not None:  # None: set outside Python, cannot be put back
+                signal.signal(signum, handler)
+
+
+@contextlib.contextmanager
+def _run_dir_lock(run_dir: pathlib.Path):
+    """Holds an OS lock (flock) on run_dir/.lock while the run lasts; RunDirInUse when another
+    process holds it. The OS drops the lock when its process ends, however it ends (kill -9
+    included), so no stale lock ever blocks a resume. Several hosts: process 0 locks for all
+    (their shared storage may not pass flock between hosts) and every process learns the
+    outcome."""
+    import fcntl  # POSIX only
+
+    handle, holder = None, ""
+    if distributed.is_primary():
+        handle = open(run_dir / ".lock", "a+")  # noqa: SIM115 (held until the run ends)
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip()
+            handle.close()
+            handle = None
+        else:
+            handle.truncate(0)
+            handle.write(f"process {os.getpid()} on {socket.gethostname()}\n")
+            handle.flush()
+    if distributed.agree_any(distributed.is_primary() and handle is None):
+        raise RunDirInUse(
+            f"train.run_dir={run_dir} is in use by another run ({holder or 'see process 0'}); "
+            "wait for it to end, or give this run another train.run_dir."
+        )
+    try:
+        yield
+    finally:
+        if handle is not None:
+            handle.close()  # releases the lock
 
 
 def _in_main_thread() -> bool:
@@ -1273,13 +1345,24 @@ def train(
     """Runs (or resumes) the GRPO loop the config describes; returns the final state.
 
     `task` replaces the config's built-in task (bring your own data and reward functions);
-    `on_step(step, metrics)` is called after each step's metrics are written.
+    `on_step(step, metrics)` is called after each step's metrics are written. One run at a
+    time per `train.run_dir`: another run there raises RunDirInUse.
     """
-    c = config
-    use_compilation_cache(c.train.compilation_cache)
-    run_dir = pathlib.Path(c.train.run_dir)
+    use_compilation_cache(config.train.compilation_cache)
+    run_dir = pathlib.Path(config.train.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     distributed.check_shared_directory(run_dir)  # several hosts write one checkpoint
+    with _run_dir_lock(run_dir):
+        return _run(config, task, on_step, run_dir)
+
+
+def _run(
+    c: Config,
+    task: tasks.Task | None,
+    on_step: Callable[[int, dict[str, float]], None] | None,
+    run_dir: pathlib.Path,
+) -> TrainResult:
+    """`train` with the run directory locked: setup, the loop, the export."""
     trainer = Trainer(c, task)
     trainer.compile_update_ahead()  # compiles while the plan and the first rollout run
     check_memory(trainer)  # before anything is allocated: a config that cannot fit stops here
@@ -1289,36 +1372,39 @@ def train(
     state = trainer.initial_state(params)
     checkpointer = Checkpointer(run_dir / "checkpoints", keep=c.train.keep_checkpoints)
     step, position = 0, 0
+    last_saved = None  # the step resumed from, then the last one saved
     reference_moves = c.algorithm.ref_sync_steps > 0  # saved with each checkpoint if so
-    latest = checkpointer.latest_step()
-    if latest is not None:
-        state, meta = checkpointer.restore(state)
-        step, position = int(meta["step"]), int(meta["data_position"])
-        if ref_params is not None:  # a reference that moved: from its checkpoint, sync on or off
-            moved = checkpointer.restore_reference(trainer.reference_arguments(), step)
-            reference_moves = reference_moves or moved is not None
-            ref_params = ref_params if moved is None else moved
-        trainer.load_meta(meta)
-        logger.info("resuming %s from step %d", run_dir, step)
-        changes = changed_settings(meta.get("config", {}), c)
-        if changes:
-            logger.warning(
-                "resuming with settings other than the checkpoint's (these apply from step %d): %s",
-                step + 1,
-                "; ".join(changes),
-            )
+    try:
+        if checkpointer.latest_step() is not None:
+            state, meta = checkpointer.restore(state)  # the newest intact step, checked
+            step, position = int(meta["step"]), int(meta["data_position"])
+            last_saved = step
+            if ref_params is not None:  # a moved reference: from its checkpoint, sync on or off
+                moved = checkpointer.restore_reference(trainer.reference_arguments(), step)
+                reference_moves = reference_moves or moved is not None
+                ref_params = ref_params if moved is None else moved
+            trainer.load_meta(meta)
+            logger.info("resuming %s from step %d", run_dir, step)
+            changes = changed_settings(meta.get("config", {}), c)
+            if changes:
+                logger.warning(
+                    "resuming with settings other than the checkpoint's (these apply from step "
+                    "%d): %s",
+                    step + 1,
+                    "; ".join(changes),
+                )
+        # The checksums each save computes on the devices: compiled now, not in a step.
+        checkpointer.compile_checksums(state, ref_params if reference_moves else None)
+    except BaseException:
+        checkpointer.close()
+        raise
     primary = distributed.is_primary()  # process 0 writes metrics and logs samples
     writer = (
-        MetricsWriter(
-            run_dir,
-            resume_step=step if latest is not None else None,
-            tensorboard=c.train.tensorboard,
-        )
+        MetricsWriter(run_dir, resume_step=last_saved, tensorboard=c.train.tensorboard)
         if primary
         else None
     )
     progress = ProgressBar(c.train.steps, initial_step=step, enabled=c.train.progress and primary)
-    last_saved = latest
 
     def save(done: int):
         nonlocal last_saved
@@ -1336,15 +1422,16 @@ def train(
                 state, metrics, position = trainer.step(state, ref_params, step, position)
                 step += 1
                 profiler.after(step)
-                if not (np.isfinite(metrics["loss"]) and np.isfinite(metrics["grad_norm"])):
+                diverged = _non_finite(metrics)  # before anything saves the new weights
+                if diverged:
                     where = (
                         f"the last good checkpoint is step {last_saved} in {checkpointer.directory}"
+                        " (rerunning resumes from it)"
                         if last_saved is not None
                         else "no checkpoint was written yet"
                     )
                     raise TrainingDiverged(
-                        f"step {step}: loss={metrics['loss']} grad_norm={metrics['grad_norm']} "
-                        f"is not finite; {where} (rerunning resumes from it). Lower optim.lr, "
+                        f"step {step}: {diverged} is not finite; {where}. Lower optim.lr, "
                         "keep optim.max_grad_norm set, or use model.dtype=float32."
                     )
 
@@ -1394,9 +1481,16 @@ def evaluate(
     {"eval/reward", "eval/accuracy"} (accuracy: the share where the task's correctness reward
     is 1) and up to `train.log_samples` (prompt, completion, reward) samples spread over the
     eval set.
+
+    It scores the task of `config` (or `task`), and logs which: to evaluate a trained policy,
+    pass the config it was trained with. For the CLI's demo that is `demo_config()`, not
+    `load_config(None)`, whose defaults ask for sums of 0-9 where the demo learnt 0-4.
     """
     use_compilation_cache(config.train.compilation_cache)
     trainer = Trainer(config, task)
+    size = len(trainer.task.eval[: config.task.eval_size or None])
+    scored = _task_settings(config) if task is None else f"the task {trainer.task.name!r}"
+    logger.info("evaluating %d eval prompts of %s", size, scored)
     try:
         if params is None:
             params = trainer.initial_params()
@@ -1406,6 +1500,16 @@ def evaluate(
     finally:
         if trainer.reward_pool is not None:
             trainer.reward_pool.close()
+
+
+def _task_settings(config: Config) -> str:
+    """The config's task as settings: its name and those that differ from the defaults."""
+    default = TaskSection()
+    return ", ".join(
+        f"task.{field.name}={getattr(config.task, field.name)}"
+        for field in dataclasses.fields(TaskSection)
+        if field.name == "name" or getattr(config.task, field.name) != getattr(default, field.name)
+    )
 
 
 def export(trainer: Trainer, params, directory: pathlib.Path) -> pathlib.Path:
@@ -1423,18 +1527,18 @@ def export(trainer: Trainer, params, directory: pathlib.Path) -> pathlib.Path:
 def export_checkpoint(
     run_dir: str | pathlib.Path, out_dir: str | pathlib.Path, *, step: int | None = None
 ) -> pathlib.Path:
-    """A checkpoint of `run_dir` (default: the latest) in HF format, using the run's config."""
+    """A checkpoint of `run_dir` in HF format, using the run's config: `step`, or by default
+    the newest intact one (a damaged step is skipped with a warning, as a resume does)."""
     from jgrpo.config import from_dict
 
     with Checkpointer(pathlib.Path(run_dir) / "checkpoints") as checkpointer:
         steps = checkpointer.all_steps()
         if not steps:
             raise FileNotFoundError(f"{run_dir} has no checkpoint to export.")
-        chosen = steps[-1] if step is None else step
-        meta = checkpointer.restore_meta(chosen)
+        meta = checkpointer.restore_meta(steps[-1] if step is None else step)
         trainer = Trainer(from_dict(meta["config"]))
         optimizer_state = init_state(trainer.model.params(), trainer.optimizer)
-        state, _ = checkpointer.restore(optimizer_state, step=chosen)
+        state, _ = checkpointer.restore(optimizer_state, step=step)
     return export(trainer, state.params, pathlib.Path(out_dir))
 
 
@@ -1470,25 +1574,69 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     _log_to_stderr()
     path, overrides = parse_args(argv)
-    overrides = with_smoke(overrides)  # before the demo's, so that the demo's still apply
-    if path is None:  # the built-in demo, with any overrides on top
-        overrides = [*DEMO_OVERRIDES, *overrides]
-    try:
-        config = load_config(path, overrides)
+    try:  # without a YAML file, the built-in demo with any overrides on top
+        config = demo_config(overrides) if path is None else load_config(path, overrides)
     except (ConfigError, FileNotFoundError) as error:
         print(f"config error: {error}", file=sys.stderr)
         return 2
-    d = config.distributed
-    distributed.initialize(
-        d.initialize,
-        coordinator_address=d.coordinator_address,
-        num_processes=d.num_processes,
-        process_id=d.process_id,
-    )
-    result = train(config)
+    interrupt = signal.getsignal(signal.SIGINT) if _in_main_thread() else signal.SIG_IGN
+    if interrupt not in (signal.SIG_IGN, None):
+        # Ctrl-C ends the process at once: a KeyboardInterrupt would wait for a compilation
+        # or a device program to finish. In the loop the first one saves first (_Preemption).
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+    try:
+        d = config.distributed
+        distributed.initialize(
+            d.initialize,
+            coordinator_address=d.coordinator_address,
+            num_processes=d.num_processes,
+            process_id=d.process_id,
+        )
+        result = train(config)
+    except TrainingDiverged as error:
+        print(f"training diverged: {error}", file=sys.stderr)
+        return 1
+    except (RunDirInUse, CheckpointDamaged) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    # Found as the hosts connect and the data and the model load.
+    except (ConfigError, DatasetError, distributed.DistributedError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except RewardSpecError as error:
+        print(f"error: task.rewards: {error}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as error:
+        print(f"error: {_missing_file(error, config)}", file=sys.stderr)
+        return 2
+    except ConnectionError as error:  # a data or model source offline: the message names the fix
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    finally:
+        if interrupt not in (signal.SIG_IGN, None):
+            signal.signal(signal.SIGINT, interrupt)
     if result.stopped_by_signal:
-        logger.info("stopped by SIGTERM after step %d; rerun to resume.", result.steps_done)
+        logger.info("stopped by a signal after step %d; rerun to resume.", result.steps_done)
     return 0
+
+
+# Config keys that name files or folders the run reads.
+_PATH_KEYS = ("task.path", "task.eval_path", "task.data_dir", "model.path", "reward_model.path")
+
+
+def _missing_file(error: OSError, config: Config) -> str:
+    """A file or folder the run could not read, in one line with the config key naming it."""
+    if error.filename is None:
+        return str(error)  # one of jgrpo's messages, which says what is missing
+    missing = str(error.filename)
+    keys = []
+    for key in _PATH_KEYS:
+        section, name = key.split(".")
+        value = getattr(getattr(config, section), name)
+        if value is not None and missing.startswith(str(value)):
+            keys.append(f"{key}={value}")
+    named = f" (from {', '.join(keys)})" if keys else ""
+    return f"{missing}: {error.strerror}{named}; check the path."
 
 
 if __name__ == "__main__":

@@ -347,11 +347,11 @@ def train_step(
 
     Returns the new state and metrics, each of shape [num_iterations, num_minibatches] (so
     callers can see, for instance, the ratio move away from 1 in the second pass): `loss`,
-    `ratio_mean`, `clip_frac_low`, `clip_frac_high`, `entropy`, `grad_norm`, `lr`, and
-    `kl_mean` when beta > 0. With `batch.sampler_logprobs`: `sampler_gap`, the mean
-    |old log-prob - sampler log-prob| over the completion tokens; with `sampler_correction`
-    too, `sampler_weight_mean` and `sampler_capped_frac` (the share of tokens whose weight
-    the cap cut).
+    `ratio_mean`, `clip_frac_low`, `clip_frac_high`, `entropy`, `grad_norm`, `lr`,
+    `params_norm` (of the parameters after that step) and `kl_mean` when beta > 0. With
+    `batch.sampler_logprobs`: `sampler_gap`, the mean |old log-prob - sampler log-prob| over
+    the completion tokens; with `sampler_correction` too, `sampler_weight_mean` and
+    `sampler_capped_frac` (the share of tokens whose weight the cap cut).
     """
     cfg = update_config
     rows = batch.advantages.shape[0]
@@ -484,6 +484,9 @@ def train_step(
         if lr is not None:
             metrics["lr"] = lr
         params = optax.apply_updates(state.params, updates)
+        # The updated weights' L2 norm (in f32: inf once any |weight| passes ~1.8e19), so the
+        # loop can refuse weights that diverged before it saves them.
+        metrics["params_norm"] = optax.tree.norm(optax.tree.cast(params, jnp.float32))
         return TrainState(params, opt_state, state.step + 1), metrics
 
     minibatches = _split((batch, extras), cfg.num_minibatches)

@@ -3,7 +3,8 @@
     python scripts/export_checkpoint.py RUN_DIR OUT_DIR [--step N]
 
 The run's config is read from the checkpoint itself, so this works on any run directory
-written by `python -m jgrpo.train`, mid-run or after it; the default step is the latest.
+written by `python -m jgrpo.train`, mid-run or after it; the default step is the newest
+intact one (a damaged step is skipped with a warning).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import argparse
 import pathlib
 import sys
 
+from jgrpo.checkpoint import CheckpointDamaged
 from jgrpo.train import export_checkpoint
 
 
@@ -23,7 +25,7 @@ def main(argv: list[str] | None = None) -> pathlib.Path:
     args = parser.parse_args(argv)
     try:
         out = export_checkpoint(args.run_dir, args.out_dir, step=args.step)
-    except FileNotFoundError as error:
+    except (FileNotFoundError, CheckpointDamaged) as error:
         sys.exit(f"error: {error}")
     print(f"exported {args.run_dir} to {out}")
     return out

@@ -9,7 +9,7 @@ import numpy as np
 import optax
 import pytest
 
-from jgrpo.checkpoint import Checkpointer
+from jgrpo.checkpoint import CheckpointDamaged, Checkpointer
 from jgrpo.update import TrainState
 
 META = {"data_position": 12, "seed": 0, "config": {"optim": {"lr": 1e-6}, "tags": ["a", "b"]}}
@@ -237,3 +237,127 @@ def test_a_reference_saved_with_a_step_restores_after_reopening(tmp_path):
         state, meta = checkpointer.restore(target)  # the state alone, as before
         assert_same(state, small_state(2))
         assert meta == {"step": 2}
+
+
+# --- Integrity: checksums and the fallback to an intact step ----------------------------------
+
+
+def test_array_checksum_weights_each_elements_bits_by_an_odd_number():
+    from jgrpo.checkpoint import array_checksum
+
+    def checksum(x):
+        return int(array_checksum(x))
+
+    # sum_i bits_i * (2 i + 1), row-major
+    assert checksum(jnp.array([1, 2, 3], jnp.uint32)) == 1 * 1 + 2 * 3 + 3 * 5
+    assert checksum(jnp.array([[1, 2], [3, 4]], jnp.int32)) == 1 + 2 * 3 + 3 * 5 + 4 * 7
+    assert checksum(jnp.array([True, False, True])) == 1 + 5
+    assert checksum(jnp.array(1.0, jnp.float32)) == 0x3F800000  # a scalar: its bits
+    assert checksum(jnp.array([0.0, 1.0], jnp.bfloat16)) == 0x3F80 * 3
+    assert checksum(jnp.array([2**31, 2**31], jnp.uint32)) == 0  # (1 + 3) * 2^31 wraps
+    assert checksum(jax.random.key(3)) == checksum(jax.random.key_data(jax.random.key(3)))
+    # Every single flipped bit of an element changes it.
+    x = jax.random.normal(jax.random.key(0), (4, 8), jnp.float32)
+    bits = np.asarray(x).view(np.uint32).copy()
+    for bit in range(32):
+        flipped = bits.copy()
+        flipped[2, 5] ^= np.uint32(1 << bit)
+        assert checksum(jnp.asarray(flipped.view(np.float32))) != checksum(x), bit
+    # The same on any sharding (integer sums wrap exactly in any order).
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    sharded = jax.device_put(
+        jnp.tile(x, (2, 1)), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    )
+    assert checksum(sharded) == checksum(jnp.tile(x, (2, 1)))
+
+
+def random_state(seed):
+    """Incompressible values, so that a flipped bit in a data file changes a weight silently."""
+    return {"w": jax.random.normal(jax.random.key(seed), (64, 64)), "count": jnp.array(seed)}
+
+
+def data_files(step_dir, item="state"):
+    """The files Orbax writes the arrays of a saved step's `item` into."""
+    return [p for p in (step_dir / item).rglob("*") if p.is_file() and p.parent.name == "d"]
+
+
+def flip_a_bit(step_dir, item="state"):
+    """Flips one bit in the middle of the largest data file of a saved step's `item`."""
+    files = data_files(step_dir, item)
+    largest = max(files, key=lambda p: p.stat().st_size)
+    data = bytearray(largest.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    largest.write_bytes(bytes(data))
+
+
+def test_a_flipped_bit_in_the_newest_step_falls_back_to_the_step_before(tmp_path, caplog):
+    directory = tmp_path / "checkpoints"
+    with Checkpointer(directory) as checkpointer:
+        checkpointer.save(1, random_state(1), {"step": 1})
+        checkpointer.save(2, random_state(2), {"step": 2})
+    flip_a_bit(directory / "2")
+
+    with Checkpointer(directory) as checkpointer:
+        with caplog.at_level(logging.WARNING, logger="jgrpo.checkpoint"):
+            state, meta = checkpointer.restore(abstract(random_state(0)))
+        assert meta == {"step": 1}
+        assert_same(state, host_copy(random_state(1)))
+        assert (
+            f"checkpoint step 2 in {directory} is damaged (1 array(s) differ from their saved "
+            "checksums (w)); skipping it, it is deleted at the next save."
+        ) in caplog.text
+        with pytest.raises(CheckpointDamaged, match=r"step 2 .* is damaged: 1 array\(s\) differ"):
+            checkpointer.restore(abstract(random_state(0)), step=2)  # asked for: an error
+        # The resumed run saves step 2 afresh: the damaged one goes first.
+        checkpointer.save(2, random_state(20), {"step": 2})
+        state, meta = checkpointer.restore(abstract(random_state(0)))
+    assert meta == {"step": 2}
+    assert_same(state, host_copy(random_state(20)))
+
+
+def test_unreadable_steps_are_skipped_and_none_intact_is_an_error(tmp_path, caplog):
+    directory = tmp_path / "checkpoints"
+    with Checkpointer(directory) as checkpointer:
+        for step in (1, 2, 3):
+            checkpointer.save(step, random_state(step), {"step": step})
+    for step_dir in (directory / "3", directory / "2"):
+        for path in data_files(step_dir):
+            path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])  # truncated
+    with (
+        Checkpointer(directory) as checkpointer,
+        caplog.at_level(logging.WARNING, logger="jgrpo.checkpoint"),
+    ):
+        state, meta = checkpointer.restore(abstract(random_state(0)))
+    assert meta == {"step": 1}
+    assert_same(state, host_copy(random_state(1)))
+    for step in (3, 2):
+        assert f"checkpoint step {step} in {directory} is damaged (its files cannot be read: " in (
+            caplog.text
+        )
+    flip_a_bit(directory / "1")
+    with Checkpointer(directory) as checkpointer, pytest.raises(CheckpointDamaged) as error:
+        checkpointer.restore(abstract(random_state(0)))
+    message = str(error.value)
+    assert message.startswith(f"No intact checkpoint in {directory}: step 3: its files cannot")
+    assert "step 1: 1 array(s) differ from their saved checksums (w). Move the folder" in message
+
+
+def test_a_damaged_reference_is_an_error_naming_the_step(tmp_path):
+    with Checkpointer(tmp_path) as checkpointer:
+        checkpointer.save(1, small_state(1), {}, reference=random_state(5))
+    flip_a_bit(tmp_path / "1", item="reference")
+    with Checkpointer(tmp_path) as checkpointer:
+        with pytest.raises(CheckpointDamaged, match=r"reference saved with checkpoint step 1 .* "):
+            checkpointer.restore_reference(abstract(random_state(0)), 1)
+        state, _ = checkpointer.restore(abstract(small_state(0)))  # the state is intact
+    assert_same(state, host_copy(small_state(1)))
+
+
+def test_a_step_saved_without_checksums_restores_unchecked(tmp_path):
+    with Checkpointer(tmp_path) as checkpointer:
+        checkpointer.save(1, random_state(1), {"step": 1})
+    shutil.rmtree(tmp_path / "1" / "checksums")  # as checkpoints from before they existed
+    with Checkpointer(tmp_path) as checkpointer:
+        state, meta = checkpointer.restore(abstract(random_state(0)))
+    assert meta == {"step": 1}
+    assert_same(state, host_copy(random_state(1)))

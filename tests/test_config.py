@@ -71,6 +71,11 @@ def test_round_trip_through_yaml(tmp_path):
         (["rollout.temperature=0"], r"rollout\.temperature must be > 0 for training"),
         (["algorithm.num_minibatches=3"], r"64 sequences must divide into .* = 3 equal parts"),
         (["optim.lr"], r"override 'optim\.lr' must look like section\.key=value"),
+        (
+            ["train.steps=["],
+            r"override 'train\.steps=\[': the value is not valid YAML \(expected the node "
+            r"content, but found '<stream end>' at line 1, column 2\); fix it, or quote",
+        ),
         (["model.dtype=float16"], r"model\.dtype must be 'float32' or 'bfloat16'"),
         (["rollout.weights_dtype=fp8"], r"rollout\.weights_dtype must be 'float32' or 'bfloat16'"),
         (["model.matmul_dtype=fp16"], r"model\.matmul_dtype must be 'float32' or 'bfloat16'"),
@@ -150,6 +155,34 @@ def test_bad_overrides_name_the_field(overrides, message):
         load_config(None, overrides)
 
 
+@pytest.mark.parametrize(
+    "override",
+    [
+        "optim.lr=.inf",  # YAML's infinity
+        "optim.lr=inf",  # a string, read as a float
+        "optim.lr=1e999",  # overflows to inf
+        "algorithm.beta=.nan",  # passes `beta < 0`
+        "algorithm.clip_eps_high=nan",  # an optional float
+        "task.reward_timeout_s=.inf",
+    ],
+)
+def test_nan_and_inf_float_values_name_the_field(tmp_path, override):
+    key, value = override.split("=")
+    message = rf"{key} must be a finite number, got (inf|nan)"
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])
+    section, name = key.split(".")
+    with pytest.raises(ConfigError, match=message):  # from a YAML file too
+        load_config(write(tmp_path, f"{section}:\n  {name}: {value}\n"))
+
+
+def test_a_config_built_in_python_is_checked_for_nan_too():
+    from jgrpo.config import OptimSection
+
+    with pytest.raises(ConfigError, match=r"optim\.lr must be a finite number, got nan"):
+        Config(optim=OptimSection(lr=float("nan"))).check()
+
+
 def test_bad_yaml_files(tmp_path):
     with pytest.raises(ConfigError, match=r"unknown config key 'rollout\.groups'"):
         load_config(write(tmp_path, "rollout:\n  groups: 4\n"))
@@ -159,6 +192,20 @@ def test_bad_yaml_files(tmp_path):
         load_config(write(tmp_path, "rollout: 4\n"))
     with pytest.raises(ConfigError, match="must hold a mapping of sections"):
         load_config(write(tmp_path, "- 1\n- 2\n"))
+
+
+def test_unreadable_config_files_are_config_errors_naming_the_file(tmp_path):
+    """What the CLI prints as one line (`config error: ...`) instead of a traceback."""
+    path = write(tmp_path, "rollout:\n  num_generations: [4,\n")
+    with pytest.raises(
+        ConfigError, match=rf"{path} is not valid YAML: .* at line 3, column 1; fix it\."
+    ):
+        load_config(path)
+    path.write_bytes("train:\n  run_dir: caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=rf"{path} is not UTF-8 text \(byte 21: .*save it as"):
+        load_config(path)
+    with pytest.raises(ConfigError, match=rf"{tmp_path} is a folder, not a config file"):
+        load_config(tmp_path)
 
 
 def test_help_lists_every_field_with_default_and_description():
@@ -186,6 +233,18 @@ def test_the_demo_preset_file_matches_the_built_in_demo():
 
     path = pathlib.Path(__file__).parent.parent / "configs" / "demo.yaml"
     assert load_config(path) == load_config(None, DEMO_OVERRIDES)
+
+
+def test_demo_config_is_the_cli_default_and_load_config_none_the_plain_defaults():
+    from jgrpo.config import DEMO_OVERRIDES, SMOKE_OVERRIDES, demo_config
+
+    assert demo_config() == load_config(None, DEMO_OVERRIDES)
+    assert demo_config(["optim.lr=5e-4"]).optim.lr == 5e-4  # overrides go on top
+    # `smoke` comes after the demo's overrides (it wins), the user's after both.
+    smoke = demo_config(["smoke", "train.steps=3"])
+    assert smoke == load_config(None, [*DEMO_OVERRIDES, *SMOKE_OVERRIDES, "train.steps=3"])
+    # The plain defaults are another task: sums of 0-9, the demo's of 0-4.
+    assert load_config(None).task.max_operand == 9 and demo_config().task.max_operand == 4
 
 
 def test_changed_settings_name_what_differs_from_a_saved_config():

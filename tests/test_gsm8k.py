@@ -139,6 +139,27 @@ def test_the_recipe_without_network_fails_at_once_naming_the_local_rows(tmp_path
     assert message.endswith(gsm8k.OFFLINE_HINT) and "task.path=DIR" in message
 
 
+def test_the_cli_without_network_says_so_in_one_line(tmp_path, monkeypatch, capsys):
+    """The same from `python -m jgrpo.train`: exit status 2 and the one line, no traceback."""
+    import logging
+
+    from jgrpo import train as train_module
+
+    # main() logs through a handler on the stderr of its first call: give it this test's.
+    monkeypatch.setattr(logging.getLogger("jgrpo"), "handlers", [])
+    forbid_tfds_downloads(monkeypatch)
+    recipe = str(ROOT / "configs" / "gsm8k-qwen2.5-0.5b.yaml")
+    with refusing_url() as url:
+        monkeypatch.setattr(gsm8k, "DOWNLOAD_URL", url)
+        argv = [recipe, "smoke", f"task.data_dir={tmp_path}", f"train.run_dir={tmp_path}/run"]
+        assert train_module.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    (line,) = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert line.startswith(f"error: TFDS gsm8k is not prepared in {tmp_path}")
+    assert line.endswith(gsm8k.OFFLINE_HINT)
+
+
 @pytest.fixture(scope="module")
 def gsm8k_tfds_dir(tmp_path_factory):
     """A data_dir with a tiny `gsm8k` 1.0.0, shaped like TFDS's own, as ArrayRecord files."""

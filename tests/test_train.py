@@ -7,6 +7,7 @@ import os
 import pathlib
 import runpy
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -555,9 +556,14 @@ def run_and_signal(run_dir, sig, *overrides, when) -> subprocess.CompletedProces
         env=dict(os.environ),
     )
     deadline = time.monotonic() + 240
-    while not when() and process.poll() is None:
-        assert time.monotonic() < deadline, "the run never got there"
-        time.sleep(0.05)
+    try:
+        while not when() and process.poll() is None:
+            assert time.monotonic() < deadline, "the run never got there"
+            time.sleep(0.05)
+    except BaseException:
+        process.kill()  # no run left behind by a failing test
+        process.wait()
+        raise
     process.send_signal(sig)
     output, _ = process.communicate(timeout=120)
     return subprocess.CompletedProcess(process.args, process.returncode, output)
@@ -576,18 +582,126 @@ def test_sigkill_then_rerun_reaches_the_uninterrupted_parameters(tmp_path, unint
     assert [line["step"] for line in read_metrics(tmp_path)] == [1, 2, 3, 4]
 
 
-def test_sigterm_saves_exits_zero_and_resumes_exactly(tmp_path, uninterrupted):
+@pytest.mark.parametrize(("sig", "named"), [(signal.SIGTERM, "SIGTERM"), (signal.SIGINT, "Ctrl-C")])
+def test_sigterm_saves_exits_zero_and_resumes_exactly(tmp_path, uninterrupted, sig, named):
+    """SIGTERM, and a Ctrl-C (SIGINT) alike."""
+
     def step_2_logged():
         return (tmp_path / "metrics.jsonl").exists() and len(read_metrics(tmp_path)) >= 2
 
-    # save_every=3: the step-2 checkpoint below exists only because of the SIGTERM.
-    stopped = run_and_signal(tmp_path, signal.SIGTERM, "train.save_every=3", when=step_2_logged)
+    # save_every=3: the step-2 checkpoint below exists only because of the signal.
+    stopped = run_and_signal(tmp_path, sig, "train.save_every=3", when=step_2_logged)
     assert stopped.returncode == 0, stopped.stdout
-    assert "SIGTERM" in stopped.stdout
+    assert f"{named}: saving a checkpoint after this step" in stopped.stdout
+    assert "Traceback" not in stopped.stdout
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["2"]
     assert [line["step"] for line in read_metrics(tmp_path)] == [1, 2]
     resumed = train_module.train(tiny_config(tmp_path, *RESUME, "train.save_every=3"))
     assert_trees_equal(resumed.state, uninterrupted.state)
+
+
+def ctrl_c():
+    """SIGINT to this process; a KeyboardInterrupt would end the whole pytest session."""
+    try:
+        signal.raise_signal(signal.SIGINT)
+    except KeyboardInterrupt:
+        pytest.fail("the first Ctrl-C was not caught")
+
+
+def test_a_damaged_newest_checkpoint_resumes_from_the_one_before_exactly(
+    tmp_path, uninterrupted, caplog
+):
+    """One flipped bit in a weight file of the newest checkpoint: the resume names it, goes
+    back to the step before, replaces the damaged step when it saves it again, and still
+    reaches the uninterrupted run's parameters."""
+    from jgrpo import models
+    from jgrpo.checkpoint import CheckpointDamaged, Checkpointer
+
+    first = train_module.train(
+        tiny_config(tmp_path, *RESUME, "train.steps=2", "train.save_every=1")
+    )
+    step_2 = tmp_path / "checkpoints" / "2" / "state"
+    data = [p for p in step_2.rglob("*") if p.is_file() and p.parent.name == "d"]
+    largest = max(data, key=lambda p: p.stat().st_size)
+    damaged = bytearray(largest.read_bytes())
+    damaged[len(damaged) // 2] ^= 0x10
+    largest.write_bytes(bytes(damaged))
+
+    with pytest.raises(CheckpointDamaged, match="step 2 .* is damaged: 1 array"):
+        train_module.export_checkpoint(tmp_path, tmp_path / "export", step=2)
+    train_module.export_checkpoint(tmp_path, tmp_path / "export")  # the newest intact: step 1
+    with Checkpointer(tmp_path / "checkpoints") as checkpointer:
+        step_1, _ = checkpointer.restore(first.state, step=1)
+    assert_trees_equal(models.from_pretrained(tmp_path / "export").params(), step_1.params)
+
+    with caplog.at_level(logging.INFO, logger="jgrpo"):
+        resumed = train_module.train(tiny_config(tmp_path, *RESUME, "train.save_every=1"))
+    assert f"checkpoint step 2 in {tmp_path / 'checkpoints'} is damaged (" in caplog.text
+    assert f"resuming {tmp_path} from step 1" in caplog.text
+    assert f"deleting the damaged checkpoint step 2 in {tmp_path / 'checkpoints'}" in caplog.text
+    assert_trees_equal(resumed.state, uninterrupted.state)
+    assert [line["step"] for line in read_metrics(tmp_path)] == [1, 2, 3, 4]
+    with Checkpointer(tmp_path / "checkpoints") as checkpointer:  # step 2 is whole again
+        state, meta = checkpointer.restore(first.state, step=2)
+    assert meta["step"] == 2
+    assert_trees_equal(state, first.state)
+
+
+def test_a_first_ctrl_c_asks_the_loop_to_stop_and_a_second_one_interrupts():
+    before = signal.getsignal(signal.SIGINT)
+    assert before is signal.default_int_handler  # Python's, as in a script or a notebook
+    with train_module._Preemption() as preemption:
+        ctrl_c()
+        assert preemption.requested
+        assert signal.getsignal(signal.SIGINT) is before  # put back at the first
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_the_cli_ends_at_once_on_a_second_ctrl_c(tmp_path, monkeypatch):
+    """The CLI runs with the system's default SIGINT action, which the loop's first Ctrl-C
+    puts back: the second ends the process without waiting for Python (a KeyboardInterrupt
+    would wait for the compilation or device program under way)."""
+    seen = {}
+
+    def fake_train(config):
+        seen["during"] = signal.getsignal(signal.SIGINT)
+        with train_module._Preemption() as preemption:
+            ctrl_c()
+            seen["after_one"] = signal.getsignal(signal.SIGINT)
+        return train_module.TrainResult(None, 1, tmp_path, preemption.requested)
+
+    monkeypatch.setattr(train_module, "train", fake_train)
+    before = signal.getsignal(signal.SIGINT)
+    assert train_module.main([f"train.run_dir={tmp_path}"]) == 0
+    assert seen == {"during": signal.SIG_DFL, "after_one": signal.SIG_DFL}
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_a_second_run_on_the_same_run_dir_is_refused_and_a_killed_runs_lock_is_not(tmp_path):
+    """Two runs on one train.run_dir would interleave checkpoints and metrics: the second is
+    refused while the first runs. The lock is the OS's (flock), so the first run's SIGKILL
+    releases it and the rerun resumes."""
+    refused = []
+
+    def try_a_second_run():
+        if not (tmp_path / "metrics.jsonl").exists():  # the first run is in its loop
+            return False
+        with pytest.raises(train_module.RunDirInUse) as error:
+            train_module.train(tiny_config(tmp_path, *RESUME))
+        refused.append(str(error.value))
+        return True
+
+    killed = run_and_signal(tmp_path, signal.SIGKILL, "train.save_every=1", when=try_a_second_run)
+    assert killed.returncode == -signal.SIGKILL, killed.stdout
+    (message,) = refused
+    assert message.startswith(f"train.run_dir={tmp_path} is in use by another run (process ")
+    assert f" on {socket.gethostname()}); " in message
+    assert message.endswith("wait for it to end, or give this run another train.run_dir.")
+    resumed = train_module.train(tiny_config(tmp_path, *RESUME, "train.save_every=1"))
+    assert resumed.steps_done == 4
+    assert [line["step"] for line in read_metrics(tmp_path)] == [1, 2, 3, 4]
 
 
 def test_a_moving_reference_is_checkpointed_and_resumes_exactly(tmp_path):
@@ -964,6 +1078,65 @@ def test_main_help_and_bad_configs(capsys, tmp_path):
     assert train_module.main([str(tmp_path / "missing.yaml")]) == 2
 
 
+def test_main_without_a_yaml_runs_demo_config(tmp_path, monkeypatch):
+    from jgrpo.config import demo_config
+
+    configs = []
+
+    def fake_train(config):
+        configs.append(config)
+        return train_module.TrainResult(None, 0, tmp_path)
+
+    monkeypatch.setattr(train_module, "train", fake_train)
+    assert train_module.main([f"train.run_dir={tmp_path}", "smoke"]) == 0
+    assert configs == [demo_config([f"train.run_dir={tmp_path}", "smoke"])]
+
+
+def test_evaluate_logs_the_task_it_scores(tmp_path, caplog):
+    """A policy trained on the CLI demo (sums of 0-4) evaluated with `load_config(None)` is
+    scored on sums of 0-9: the log says which task, naming the settings that differ."""
+    config = tiny_config(tmp_path, "task.max_operand=4", "train.log_samples=0")
+    with caplog.at_level(logging.INFO, logger="jgrpo.train"):
+        train_module.evaluate(config)
+    assert "evaluating 25 eval prompts of task.name=addition, task.max_operand=4, " in caplog.text
+
+
+def test_main_reports_bad_input_and_divergence_in_one_line_without_a_traceback(capsys, tmp_path):
+    """Each of these ended in a traceback; now one line says what and where (a data file's
+    problems are listed, one per row), with exit status 2 for bad input, 1 for divergence."""
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("rollout:\n  num_generations: [4,\n")
+    latin = tmp_path / "latin.yaml"
+    latin.write_bytes("train:\n  run_dir: caf\xe9\n".encode("latin-1"))
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "1+1=", "answer": "2"}\n{"question": "2+2="}\n')
+    run = [*TINY, f"train.run_dir={tmp_path / 'run'}", "train.eval_every=0"]
+    jsonl = ["task.name=jsonl", "task.rewards=math"]
+    cases = [  # argv, exit status, the start of the error's line
+        ([str(bad_yaml)], 2, f"config error: {bad_yaml} is not valid YAML: "),
+        ([str(latin)], 2, f"config error: {latin} is not UTF-8 text"),
+        ([str(tmp_path)], 2, f"config error: {tmp_path} is a folder, not a config file"),
+        (["train.steps=["], 2, "config error: override 'train.steps=[': the value is not valid"),
+        (
+            [*run, *jsonl, f"task.path={tmp_path / 'none.jsonl'}"],
+            2,
+            f"error: {tmp_path / 'none.jsonl'}: No such file or directory (from task.path=",
+        ),
+        ([*run, "task.rewards=nosuch:1"], 2, "error: task.rewards: unknown reward 'nosuch'"),
+        ([*run, *jsonl, f"task.path={rows}"], 2, f"error: {rows}: 1 of 2 rows cannot be used"),
+        # The first step whose groups have a signal moves the weights to ~1e30.
+        ([*run, "optim.lr=1e30", "train.steps=3"], 1, "training diverged: step "),
+    ]
+    for argv, status, message in cases:
+        assert train_module.main(argv) == status, argv
+        err = capsys.readouterr().err
+        assert "Traceback" not in err, err
+        (line,) = [line for line in err.splitlines() if "error: " in line or "diverged" in line]
+        assert line.startswith(message), (line, message)
+    assert "params_norm=inf is not finite" in line and "Lower optim.lr" in line
+    assert not (tmp_path / "run" / "hf").exists()
+
+
 def test_non_finite_loss_stops_with_the_last_good_checkpoint(tmp_path, monkeypatch):
     real = train_module._update_metrics
 
@@ -979,6 +1152,22 @@ def test_non_finite_loss_stops_with_the_last_good_checkpoint(tmp_path, monkeypat
     ):
         train_module.train(config)
     assert not (tmp_path / "checkpoints").exists() or not list((tmp_path / "checkpoints").iterdir())
+
+
+def test_weights_blown_up_by_the_update_stop_the_run_before_they_are_saved(tmp_path):
+    """lr=1e30 leaves step 1's loss and gradient finite (computed before the update) but its
+    weights near 1e30, whose norm overflows float32: the run stops at step 1, before the
+    step-1 checkpoint and the export, so a rerun has nothing diverged to resume from."""
+    config = tiny_config(
+        tmp_path, "optim.lr=1e30", "train.steps=2", "train.save_every=1", "train.eval_every=0"
+    )
+    with pytest.raises(
+        train_module.TrainingDiverged,
+        match=r"step 1: params_norm=inf is not finite; no checkpoint was written yet",
+    ):
+        train_module.train(config)
+    assert not list((tmp_path / "checkpoints").iterdir())
+    assert not (tmp_path / "hf").exists()
 
 
 @pytest.mark.slow
