@@ -345,24 +345,33 @@ def test_clipped_tokens_get_zero_gradient(clip_eps_high):
     np.testing.assert_array_equal(np.asarray(grad)[1] == 0, [True, True, False, False])
 
 
-def test_dapo_microbatch_gradients_sum_to_full_batch():
+@pytest.mark.parametrize(
+    ("loss_type", "normaliser", "lengths"),
+    [
+        ("dapo", "total_tokens", [6, 2, 4, 1]),  # the whole batch's completion tokens: 13
+        ("grpo", "total_sequences", [6, 0, 4, 1]),  # its non-empty rows: 3 (row 1 is empty)
+    ],
+)
+def test_microbatch_gradients_sum_to_full_batch(loss_type, normaliser, lengths):
+    """With the whole batch's normaliser, dapo's and grpo's micro-batch losses and gradients
+    add up to the full batch's, however the empty rows fall."""
     rng = np.random.default_rng(0)
     logprobs = jnp.asarray(rng.normal(size=(4, 6)) - 1.0, jnp.float32)
     old = logprobs + jnp.asarray(rng.normal(scale=0.3, size=(4, 6)), jnp.float32)
     ref = logprobs + jnp.asarray(rng.normal(scale=0.3, size=(4, 6)), jnp.float32)
     advantages = jnp.asarray(rng.normal(size=4), jnp.float32)
-    mask = jnp.asarray(np.arange(6)[None, :] < np.array([[6], [2], [4], [1]]), jnp.float32)
-    total_tokens = mask.sum()
+    mask = jnp.asarray(np.arange(6)[None, :] < np.array(lengths)[:, None], jnp.float32)
+    whole = mask.sum() if loss_type == "dapo" else (mask.sum(-1) > 0).sum()
 
-    def loss(lp, rows):
+    def loss(lp, rows, total=whole):
         return jgrpo.grpo_loss(
             lp,
             old[rows],
             advantages[rows],
             mask[rows],
             ref_logprobs=ref[rows],
-            loss_type="dapo",
-            total_tokens=total_tokens,
+            loss_type=loss_type,
+            **{normaliser: total},
         )[0]
 
     full_loss, full_grad = jax.value_and_grad(loss)(logprobs, slice(0, 4))
@@ -372,44 +381,9 @@ def test_dapo_microbatch_gradients_sum_to_full_batch():
     np.testing.assert_allclose(
         np.concatenate([first_grad, second_grad]), full_grad, rtol=1e-6, atol=1e-9
     )
-    # Without total_tokens each micro-batch normalises by its own count: not the same.
-    own = jgrpo.grpo_loss(
-        logprobs[:2], old[:2], advantages[:2], mask[:2], ref_logprobs=ref[:2], loss_type="dapo"
-    )[0]
-    assert not np.isclose(own, first_loss)
-
-
-def test_grpo_microbatch_gradients_sum_to_full_batch_with_empty_rows():
-    """With total_sequences, the non-empty rows of the whole batch, grpo's micro-batch losses
-    and gradients add up to the full batch's, however the empty rows fall."""
-    rng = np.random.default_rng(0)
-    logprobs = jnp.asarray(rng.normal(size=(4, 6)) - 1.0, jnp.float32)
-    old = logprobs + jnp.asarray(rng.normal(scale=0.3, size=(4, 6)), jnp.float32)
-    ref = logprobs + jnp.asarray(rng.normal(scale=0.3, size=(4, 6)), jnp.float32)
-    advantages = jnp.asarray(rng.normal(size=4), jnp.float32)
-    mask = jnp.asarray(np.arange(6)[None, :] < np.array([[6], [0], [4], [1]]), jnp.float32)
-
-    def loss(lp, rows, total_sequences=3):
-        return jgrpo.grpo_loss(
-            lp,
-            old[rows],
-            advantages[rows],
-            mask[rows],
-            ref_logprobs=ref[rows],
-            loss_type="grpo",
-            total_sequences=total_sequences,
-        )[0]
-
-    full_loss, full_grad = jax.value_and_grad(loss)(logprobs, slice(0, 4))
-    first_loss, first_grad = jax.value_and_grad(loss)(logprobs[:2], slice(0, 2))
-    second_loss, second_grad = jax.value_and_grad(loss)(logprobs[2:], slice(2, 4))
-    np.testing.assert_allclose(first_loss + second_loss, full_loss, rtol=1e-6)
-    np.testing.assert_allclose(
-        np.concatenate([first_grad, second_grad]), full_grad, rtol=1e-6, atol=1e-9
-    )
-    # The default is this batch's own non-empty rows: 3 for the full batch.
+    # The default is this batch's own count: the whole batch's for the full batch.
     np.testing.assert_array_equal(loss(logprobs, slice(0, 4), None), full_loss)
-    # Without it the first micro-batch's one non-empty row is its whole mean: not the same.
+    # Without it each micro-batch normalises by its own count: not the same.
     assert not np.isclose(loss(logprobs[:2], slice(0, 2), None), first_loss)
 
 
