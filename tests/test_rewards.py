@@ -163,12 +163,9 @@ def slow_on_seven(prompts, completions, **_):
 
 
 def test_a_hanging_verifier_costs_its_timeout_not_the_step():
-    import time
-
     from jgrpo.rewards.pool import VerifierPool
 
     with VerifierPool(workers=2, timeout_s=2.0) as pool:
-        start = time.monotonic()
         scores = score_completions(
             {
                 "slow": slow_on_seven,
@@ -182,14 +179,13 @@ def test_a_hanging_verifier_costs_its_timeout_not_the_step():
             max_failure_share=0.5,
             pool=pool,
         )
-        elapsed = time.monotonic() - start
-    # The batch call timed out, then each row ran alone: only the hanging row is lost.
+    # The batch call timed out, then each row ran alone: only the hanging row is lost (had the
+    # pool waited out the 60 s sleep, that row would hold its length, 1.0).
     np.testing.assert_array_equal(scores.per_function["slow"][[0, 2, 3]], [2.0, 3.0, 1.0])
     assert np.isnan(scores.per_function["slow"][1])
     assert scores.failures == {"slow": 1, "len": 0, "local": 0}
     np.testing.assert_array_equal(scores.per_function["len"], [2.0, 1.0, 3.0, 1.0])
     np.testing.assert_array_equal(scores.per_function["local"], [1.0] * 4)  # ran in-process
-    assert elapsed < 30, elapsed  # two timeouts and worker restarts, never the 60 s sleep
 
 
 def test_a_function_from_a_notebook_runs_in_process_not_in_a_worker(monkeypatch):
