@@ -27,7 +27,7 @@ def token_logprobs(
     logits: jax.Array,  # [B, T, V], any float dtype
     targets: jax.Array,  # int[B, T]
     *,
-    temperature: float = 1.0,
+    temperature: float | jax.Array = 1.0,
 ) -> tuple[jax.Array, jax.Array]:  # (f32[B, T], f32[B, T])
     """Log-prob of each target token and the entropy of each position's distribution.
 
@@ -52,7 +52,7 @@ def chunked_token_logprobs(
     unembedding: jax.Array,  # [D, V] (a tied embedding table [V, D] is passed transposed)
     targets: jax.Array,  # int[B, T]
     *,
-    temperature: float = 1.0,
+    temperature: float | jax.Array = 1.0,
     chunk_size: int = 4096,
     keep_logits: bool = False,
 ) -> tuple[jax.Array, jax.Array]:  # (f32[B, T], f32[B, T])
