@@ -1599,8 +1599,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (RunDirInUse, CheckpointDamaged) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    # Found as the hosts connect and the data and the model load.
-    except (ConfigError, DatasetError, distributed.DistributedError) as error:
+    # Found as the hosts connect and the data and the model load (ConnectionError: a data or
+    # model source offline; each message names the fix).
+    except (ConfigError, DatasetError, distributed.DistributedError, ConnectionError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     except RewardSpecError as error:
@@ -1608,9 +1609,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as error:
         print(f"error: {_missing_file(error, config)}", file=sys.stderr)
-        return 2
-    except ConnectionError as error:  # a data or model source offline: the message names the fix
-        print(f"error: {error}", file=sys.stderr)
         return 2
     finally:
         if interrupt not in (signal.SIG_IGN, None):
