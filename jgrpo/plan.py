@@ -28,6 +28,7 @@ import numpy as np
 
 from jgrpo.config import ConfigError, load_config
 from jgrpo.sampling import kv_cache_bytes
+from jgrpo.setup import Setup, packing_obstacle, shared_prompt_rows
 from jgrpo.sharding import abstract_arrays, replicated, rules_context
 from jgrpo.update import UpdateConfig
 
@@ -161,28 +162,26 @@ def shard_bytes(tree) -> int:
     return total
 
 
-def plan_memory(trainer, micro_batch_candidates: Sequence[int] = ()) -> MemoryPlan:
-    """Compiles the trainer's rollout and update for its mesh and sizes every part."""
-    from jgrpo.train import packing_obstacle, shared_prompt_rows  # train imports plan
-
-    c, mc, mesh = trainer.config, trainer.model_config, trainer.mesh
-    state, batch, reference = trainer.update_arguments()
+def plan_memory(setup: Setup, micro_batch_candidates: Sequence[int] = ()) -> MemoryPlan:
+    """Compiles the run's rollout and update for its mesh and sizes every part."""
+    c, mc, mesh = setup.config, setup.model_config, setup.mesh
+    state, batch, reference = setup.update_arguments()
     params, opt_state = state.params, state.opt_state
-    frozen = trainer.reference_arguments()  # also with kl_in_reward, where the update has none
-    prompts, length = c.rollout.prompts_per_step, trainer.prompt_widths["train"]
+    frozen = setup.reference_arguments()  # also with kl_in_reward, where the update has none
+    prompts, length = c.rollout.prompts_per_step, setup.prompt_widths["train"]
     rows, new_tokens = prompts * c.rollout.num_generations, c.rollout.max_new_tokens
 
-    prompt = jax.ShapeDtypeStruct((prompts, length), jnp.int32, sharding=trainer.row_matrix)
+    prompt = jax.ShapeDtypeStruct((prompts, length), jnp.int32, sharding=setup.row_matrix)
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=replicated(mesh))
     with rules_context(mesh):
-        rollout = trainer.rollout_program(trainer.sampling, c.rollout.num_generations)
+        rollout = setup.rollout_program(setup.sampling, c.rollout.num_generations)
         rollout_memory = rollout.lower(params, prompt, prompt, key).compile().memory_analysis()
 
     def update_scratch(update_config: UpdateConfig) -> int:
-        if update_config == trainer.update_config:  # compiled ahead (or now) for the run
-            return trainer.compiled_update().memory_analysis().temp_size_in_bytes
+        if update_config == setup.update_config:  # compiled ahead (or now) for the run
+            return setup.compiled_update().memory_analysis().temp_size_in_bytes
         with rules_context(mesh):
-            program = trainer.update_program(update_config)
+            program = setup.update_program(update_config)
             compiled = program.lower(state, batch, reference).compile()
         return compiled.memory_analysis().temp_size_in_bytes
 
@@ -200,7 +199,7 @@ def plan_memory(trainer, micro_batch_candidates: Sequence[int] = ()) -> MemoryPl
         reference=shard_bytes(frozen) if frozen is not None else 0,
         kv_cache=kv_cache,
         rollout_scratch=rollout_memory.temp_size_in_bytes,
-        update_scratch=update_scratch(trainer.update_config),
+        update_scratch=update_scratch(setup.update_config),
         batch=shard_bytes(batch),
         micro_batch_rows=micro_rows,
         reward_model=reward_params,
@@ -219,7 +218,7 @@ def plan_memory(trainer, micro_batch_candidates: Sequence[int] = ()) -> MemoryPl
             plan.unplanned.append(candidate)  # the trainer would run it unpacked: not this plan
             continue
         config = dataclasses.replace(
-            trainer.update_config, grad_accumulation=accumulation, shared_prompt_rows=shared
+            setup.update_config, grad_accumulation=accumulation, shared_prompt_rows=shared
         )  # the update the trainer would run with that accumulation
         scratch = update_scratch(config)
         plan.fits[candidate] = plan.resident + plan.batch + scratch
@@ -281,12 +280,12 @@ def device_budget(config) -> int | None:
     return stats.get("bytes_limit")
 
 
-def check_memory(trainer) -> MemoryPlan | None:
+def check_memory(setup: Setup) -> MemoryPlan | None:
     """Fails fast, before step 1, when the planned peak exceeds the budget."""
-    budget = device_budget(trainer.config)
+    budget = device_budget(setup.config)
     if budget is None:
         return None
-    plan = plan_memory(trainer, micro_batch_candidates(rows_per_minibatch(trainer.config)))
+    plan = plan_memory(setup, micro_batch_candidates(rows_per_minibatch(setup.config)))
     if plan.peak > budget:
         raise OutOfMemoryPlan(
             "this config would run out of device memory:\n"
@@ -300,8 +299,8 @@ def check_memory(trainer) -> MemoryPlan | None:
 def main(argv: Sequence[str] | None = None) -> int:
     import argparse
 
+    from jgrpo.cli import parse_args
     from jgrpo.config import DEMO_OVERRIDES, with_smoke
-    from jgrpo.train import Trainer, parse_args
 
     parser = argparse.ArgumentParser(
         prog="python -m jgrpo.plan",
@@ -332,7 +331,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         overrides = [*DEMO_OVERRIDES, *overrides]
     try:
         config = load_config(path, overrides)
-        trainer = Trainer(config)
+        setup = Setup(config)
     except ConfigError as error:
         print(f"config error: {error}", file=sys.stderr)
         return 2
@@ -341,7 +340,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     budget = None if args.budget_gib is None else int(args.budget_gib * GIB)
     candidates = micro_batch_candidates(rows_per_minibatch(config)) if budget else ()
-    plan = plan_memory(trainer, candidates)
+    plan = plan_memory(setup, candidates)
     print(plan.report(budget))
     return 0 if budget is None or plan.peak <= budget else 1
 

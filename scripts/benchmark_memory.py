@@ -18,9 +18,11 @@ import jax
 
 
 def main(argv: list[str] | None = None) -> int:
+    from jgrpo.cli import parse_args
     from jgrpo.config import DEMO_OVERRIDES, load_config
     from jgrpo.plan import plan_memory
-    from jgrpo.train import Trainer, parse_args, train
+    from jgrpo.setup import Setup
+    from jgrpo.train import train
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=2)
@@ -38,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
             f"train.run_dir={run_dir}",
         ]
         config = load_config(path, overrides)
-        plan = plan_memory(Trainer(config), ())
+        plan = plan_memory(Setup(config), ())
         print(plan.report())
         stats = jax.local_devices()[0].memory_stats()
         if not stats:

@@ -19,7 +19,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, proce
 from transformers import PreTrainedTokenizerFast
 
 from jgrpo.rewards.scoring import completion_text
-from jgrpo.tasks import Task
+from jgrpo.tasks.base import Task
 
 _INTEGER = re.compile(r"\d+")
 

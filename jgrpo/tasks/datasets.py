@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from jgrpo._checks import check_choice
-from jgrpo.tasks import Task
+from jgrpo.tasks.base import Task
 
 logger = logging.getLogger("jgrpo.tasks")
 

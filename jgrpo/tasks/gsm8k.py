@@ -24,7 +24,7 @@ import os
 import pathlib
 import re
 
-from jgrpo.tasks import Task
+from jgrpo.tasks.base import Task
 from jgrpo.tasks.datasets import load_jsonl, load_tfds
 
 DEFAULT_SYSTEM = (

@@ -21,7 +21,7 @@ import json
 import numpy as np
 
 from jgrpo.rewards.structured import STRUCTURED_REWARDS, STRUCTURED_WEIGHTS
-from jgrpo.tasks import Task
+from jgrpo.tasks.base import Task
 
 _FIRST_NAMES = [
     "Amara", "Bruno", "Chen", "Dalia", "Emil", "Farah", "Goran", "Hana", "Ivan", "Jonas",

@@ -1,0 +1,51 @@
+"""The `rollout` section: sampling."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jgrpo.config.fields import ConfigError, check_dtype, option
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSection:
+    """Sampling: P = prompts_per_step prompts per step, G completions each, up to N tokens."""
+
+    prompts_per_step: int = option(8, "prompts sampled per training step")
+    num_generations: int = option(8, "G: completions per prompt (the group), >= 2")
+    max_new_tokens: int = option(128, "N: completion length limit in tokens")
+    temperature: float = option(1.0, "sampling temperature, also used to score log-probs")
+    top_p: float = option(1.0, "nucleus sampling mass (1 = off)")
+    top_k: int = option(0, "sample among the k most likely tokens (0 = off)")
+    min_p: float = option(0.0, "drop tokens below min_p x the top probability (0 = off)")
+    max_prompt_length: int = option(
+        256,
+        "the longest prompt allowed (longer is an error); prompts are left-padded to the "
+        "task's longest, rounded up to a multiple of 8, at most this",
+    )
+    weights_dtype: str = option(
+        "float32",
+        "weight matrices while sampling: float32 (the parameters), or bfloat16 (a copy, f32 "
+        "sums: faster decoding, from the policy with its matrices rounded to bf16)",
+    )
+
+    def check(self):
+        check_dtype("rollout.weights_dtype", self.weights_dtype)
+        if self.num_generations < 2:
+            raise ConfigError(
+                f"rollout.num_generations must be >= 2 (a group needs two completions to "
+                f"compare), got {self.num_generations}."
+            )
+        if self.temperature <= 0:
+            raise ConfigError(
+                f"rollout.temperature must be > 0 for training (greedy sampling gives no "
+                f"exploration and no log-probs), got {self.temperature}."
+            )
+        for name in ("prompts_per_step", "max_new_tokens", "max_prompt_length"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"rollout.{name} must be >= 1, got {getattr(self, name)}.")
+        if not 0 < self.top_p <= 1 or self.top_k < 0 or not 0 <= self.min_p < 1:
+            raise ConfigError(
+                "rollout.top_p must be in (0, 1], rollout.top_k >= 0, rollout.min_p in [0, 1); "
+                f"got top_p={self.top_p}, top_k={self.top_k}, min_p={self.min_p}."
+            )

@@ -1,0 +1,358 @@
+"""Setup: everything a run builds once from its config, before the first step.
+
+The task and the policy (`jgrpo.loading`), the device mesh, each split's prompt width, the
+sampling and update settings, the optimizer, the shardings of every array the loop keeps,
+the initial state and the KL reference, and a learned reward model. Its jitted programs
+(the rollout, the update, compiled ahead) are `jgrpo.programs.Programs`, which it extends.
+`jgrpo.plan` sizes a config's memory from a `Setup` alone; `jgrpo.train.Trainer` adds the
+steps.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import functools
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jgrpo import distributed, tasks
+from jgrpo.config import Config, ConfigError
+from jgrpo.generation import encode_prompts, stop_token_ids
+from jgrpo.loading import build_task, load_policy
+from jgrpo.models.group_forward import PackedCompletions
+from jgrpo.models.transformer import with_rounded_weights
+from jgrpo.packing import packed_row_counts
+from jgrpo.programs import Programs
+from jgrpo.sampling import SamplingConfig
+from jgrpo.sharding import (
+    make_mesh,
+    optimizer_state_shardings,
+    replicated,
+    row_shardings,
+    tree_shardings,
+)
+from jgrpo.update import Batch, TrainState, UpdateConfig, init_state, make_optimizer
+
+logger = logging.getLogger("jgrpo.train")
+
+# Prompt widths round up to this: a new longest prompt by a few tokens keeps its program.
+PROMPT_WIDTH_MULTIPLE = 8
+
+
+def prompt_width(longest: int, max_prompt_length: int) -> int:
+    """Columns prompts are left-padded to: the longest prompt (0: none) rounded up to a
+    multiple of PROMPT_WIDTH_MULTIPLE, at most max_prompt_length.
+
+    RoPE positions count only real tokens, so leading pad columns that no prompt fills
+    change no result; they only cost compute in the prefill, the decode's attention and the
+    update."""
+    multiple = PROMPT_WIDTH_MULTIPLE
+    return min(max_prompt_length, -(-max(longest, 1) // multiple) * multiple)
+
+
+def shared_prompt_rows(config: Config, *, grad_accumulation: int, batch_shards: int) -> int:
+    """G when `algorithm.shared_prompt_forward` is on and every micro-batch holds whole groups
+    whose prompts split evenly over the `batch_shards` (mesh data x fsdp), so the update runs
+    each prompt once per group; else 1."""
+    if not config.algorithm.shared_prompt_forward:
+        return 1
+    prompts = config.rollout.prompts_per_step
+    parts = config.algorithm.num_minibatches * grad_accumulation
+    whole_groups = prompts % parts == 0 and (prompts // parts) % batch_shards == 0
+    return config.rollout.num_generations if whole_groups else 1
+
+
+def packing_obstacle(config: Config, *, grad_accumulation: int, batch_shards: int) -> str | None:
+    """Why `algorithm.pack_completions` cannot run with these settings, naming the field to
+    change, or None when it can: packing works per group, on the shared-prompt update."""
+    algo, rollout = config.algorithm, config.rollout
+    shared = shared_prompt_rows(
+        config, grad_accumulation=grad_accumulation, batch_shards=batch_shards
+    )
+    if shared > 1:
+        return None
+    if not algo.shared_prompt_forward:
+        return "it needs the shared-prompt update, algorithm.shared_prompt_forward=true"
+    return (
+        "it needs whole groups in every micro-batch and batch shard: "
+        f"rollout.prompts_per_step={rollout.prompts_per_step} divisible by "
+        "algorithm.num_minibatches x algorithm.grad_accumulation x mesh data x fsdp = "
+        f"{algo.num_minibatches} x {grad_accumulation} x {batch_shards}"
+    )
+
+
+def update_config_of(config: Config, *, beta_in_loss: float, batch_shards: int = 1) -> UpdateConfig:
+    """The update's settings: each algorithm setting the update has a field of the same name
+    for, and those the rest of the config decides; `batch_shards` is the mesh's data x fsdp
+    size."""
+    algo = config.algorithm
+    same_names = {f.name for f in dataclasses.fields(UpdateConfig)} & {
+        f.name for f in dataclasses.fields(algo)
+    }
+    settings = {name: getattr(algo, name) for name in same_names}
+    settings.update(
+        beta=beta_in_loss,  # 0 when the KL goes into the reward
+        sampler_correction=config.sampler_correction,  # `auto` resolved
+        temperature=config.rollout.temperature,
+        shared_prompt_rows=shared_prompt_rows(
+            config, grad_accumulation=algo.grad_accumulation, batch_shards=batch_shards
+        ),
+        matmul_dtype=config.model.matmul_dtype,
+        keep_logits_mib=config.model.keep_logits_mib,
+        # dr_grpo divides by the length limit, not by a trimmed batch's width
+        max_completion_length=config.rollout.max_new_tokens,
+    )
+    return UpdateConfig(**settings)
+
+
+def completion_widths(max_new_tokens: int, buckets: int) -> tuple[int, ...]:
+    """The completion widths the update may run at (`algorithm.completion_buckets`):
+    k / buckets of max_new_tokens for k = 1 ... buckets, each rounded up to a multiple of 8
+    (vector lanes) and at most max_new_tokens; ascending, without repeats."""
+    widths = set()
+    for k in range(1, buckets + 1):
+        width = -(-k * max_new_tokens // buckets)  # ceil
+        widths.add(min(max_new_tokens, -(-width // 8) * 8))
+    return tuple(sorted(widths))
+
+
+def optimizer_of(config: Config):
+    algo, optim = config.algorithm, config.optim
+    return make_optimizer(
+        optim.lr,
+        total_steps=config.train.steps * algo.num_iterations * algo.num_minibatches,
+        warmup_steps=optim.warmup_steps,
+        schedule=optim.schedule,
+        weight_decay=optim.weight_decay,
+        max_grad_norm=optim.max_grad_norm,
+        b1=optim.b1,
+        b2=optim.b2,
+        eps=optim.eps,
+    )
+
+
+class Setup(Programs):
+    """What every step shares, built once from the config in this order: the task, the mesh,
+    the policy and its tokenizer, the prompt widths, the sampling and update settings, the
+    optimizer, the shardings and the update program, a learned reward model."""
+
+    def __init__(self, config: Config, task: tasks.Task | None = None):
+        self.config = config
+        self.task = task if task is not None else build_task(config)
+        self.mesh = self.make_mesh()
+        self.model, self.tokenizer = load_policy(config, self.task, self.mesh)
+        self.model_config = self.model.config
+        self.check_prompts()
+        self.group_size = config.rollout.num_generations
+        r = config.rollout
+        self.sampling = SamplingConfig(
+            max_new_tokens=r.max_new_tokens,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            min_p=r.min_p,
+            stop_token_ids=stop_token_ids(
+                self.tokenizer, self.model_config, getattr(self.model, "source_dir", None)
+            ),
+            pad_token_id=self.tokenizer.pad_token_id or 0,
+            weights_dtype=r.weights_dtype,
+        )
+        if not self.sampling.stop_token_ids:
+            raise ConfigError(
+                "the tokenizer and the model config define no EOS token, so completions could "
+                "never stop; use a checkpoint whose config.json, generation_config.json or "
+                "tokenizer sets eos_token_id."
+            )
+        self.greedy = dataclasses.replace(self.sampling, temperature=0.0, top_p=1.0, top_k=0)
+        algo = config.algorithm
+        self.completion_widths = completion_widths(r.max_new_tokens, algo.completion_buckets)
+        self.kl_weight_in_reward = algo.beta if algo.kl_in_reward else 0.0
+        batch_shards = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+        self.update_config = update_config_of(
+            config,
+            beta_in_loss=0.0 if algo.kl_in_reward else algo.beta,
+            batch_shards=batch_shards,
+        )
+        obstacle = packing_obstacle(
+            config, grad_accumulation=algo.grad_accumulation, batch_shards=batch_shards
+        )
+        if algo.pack_completions and obstacle:
+            # Packing is a speed option with equal results: settings it cannot run with train
+            # the padded batch rather than stopping (as the shared-prompt forward does).
+            logger.warning(
+                "algorithm.pack_completions is off for this run: %s. The update runs the "
+                "padded batch.",
+                obstacle,
+            )
+            algo = dataclasses.replace(algo, pack_completions=False)
+            self.config = config = dataclasses.replace(config, algorithm=algo)
+        # the update's batch shapes: (completion width, packed rows per group or None)
+        packed_rows = packed_row_counts(self.group_size) if algo.pack_completions else (None,)
+        self.update_shapes = [(w, rows) for w in self.completion_widths for rows in packed_rows]
+        self.optimizer = optimizer_of(config)
+        self.setup_shardings()
+        self.reward_model = None  # a ModelReward among the task's reward functions
+        if config.reward_model.path is not None:
+            self.add_reward_model()
+
+    def add_reward_model(self) -> None:
+        """The config's reward model as one more reward function of the task, on the mesh."""
+        from jgrpo.rewards.model_reward import ModelReward
+
+        rm = self.config.reward_model
+        if rm.name in self.task.reward_fns:
+            raise ConfigError(
+                f"reward_model.name={rm.name!r} is already a reward function of the task "
+                f"({', '.join(self.task.reward_fns)}); choose another name."
+            )
+        scorer = ModelReward(
+            rm.path,
+            dtype=jnp.dtype(rm.dtype),
+            batch_size=rm.batch_size,
+            max_length=rm.max_length,
+            normalize=rm.normalize,
+            scale=rm.scale,
+            shift=rm.shift,
+            mesh=self.mesh,
+        )
+        self.task = dataclasses.replace(
+            self.task,
+            reward_fns={**self.task.reward_fns, rm.name: scorer},
+            reward_weights={**self.task.reward_weights, rm.name: rm.weight},
+        )
+        self.reward_model = scorer
+
+    # --- placement on the mesh ---------------------------------------------------------------
+
+    def make_mesh(self):
+        """The device mesh of the config's mesh.* keys, checked against the batch."""
+        m = self.config.mesh
+        if m.devices != -1 and jax.process_count() > 1:
+            raise ConfigError(
+                f"mesh.devices={m.devices} with {jax.process_count()} processes: a multi-process "
+                "run uses every device of every process; leave mesh.devices at -1."
+            )
+        devices = jax.devices() if m.devices == -1 else jax.devices()[: m.devices]
+        if m.devices > len(devices):
+            raise ConfigError(f"mesh.devices={m.devices} but only {len(devices)} exist.")
+        mesh = make_mesh(m.shape, devices)
+        split = mesh.shape["data"] * mesh.shape["fsdp"]
+        prompts = self.config.rollout.prompts_per_step
+        if prompts % split:
+            raise ConfigError(
+                f"rollout.prompts_per_step={prompts} must be divisible by mesh.data x mesh.fsdp "
+                f"= {split} (each device samples whole groups of its prompts); change one of "
+                "them, or use fewer devices with mesh.devices."
+            )
+        return mesh
+
+    def setup_shardings(self) -> None:
+        """The shardings of every array the loop keeps, and the jitted update with explicit
+        in/out shardings (the state donated)."""
+        from jgrpo import models
+
+        self.rows, self.row_matrix = row_shardings(self.mesh)  # [B] and [B, T] arrays
+        packed = None
+        if self.config.algorithm.pack_completions:  # [P * Gb, N] and [B, N], split like rows
+            packed = PackedCompletions(self.row_matrix, self.row_matrix)
+        self.batch_shardings = Batch(
+            self.row_matrix, self.row_matrix, self.row_matrix, self.rows, packed, self.row_matrix
+        )
+        params = self.model.params()
+        self.param_shardings = tree_shardings(
+            params, models.transformer.param_axes(self.model_config), self.mesh
+        )
+        abstract_opt = jax.eval_shape(self.optimizer.init, params)
+        self.state_shardings = TrainState(
+            params=self.param_shardings,
+            opt_state=optimizer_state_shardings(
+                self.optimizer, abstract_opt, self.param_shardings, self.mesh
+            ),
+            step=replicated(self.mesh),
+        )
+        self.update = self.update_program(self.update_config)
+        # (width, packed rows) -> its program
+        self._update_compiling: dict[tuple, concurrent.futures.Future] = {}
+        self.block = distributed.RowBlock(self.rows)  # the rows this process handles
+
+    def initial_params(self) -> dict:
+        """The policy's parameters, in their shards (where `load_policy` put them)."""
+        return jax.device_put(self.model.params(), self.param_shardings)  # a no-op check
+
+    def reference_params(self, params: dict) -> dict | None:
+        """The frozen reference of the KL penalty, from the initial `params` (None when beta
+        is 0): a copy, or with model.reference_dtype=bfloat16 the parameters with their
+        weight matrices and embedding table rounded to bf16 once (`with_rounded_weights`:
+        half the memory but for the norms and biases; the reference pass multiplies bf16
+        operands with f32 sums). A copy either way: the update donates the state's buffers."""
+        if self.config.algorithm.beta <= 0:
+            return None
+        model = self.config.model
+        if model.reference_dtype == "float32" or model.dtype == "bfloat16":  # already as asked
+            return jax.tree.map(jnp.copy, params)
+        rounded = with_rounded_weights(params, jnp.bfloat16)  # new bf16 leaves, the rest shared
+        return jax.tree.map(lambda x: x if x.dtype == jnp.bfloat16 else jnp.copy(x), rounded)
+
+    def initial_state(self, params: dict) -> TrainState:
+        """Step 0 with the optimizer state created directly in its shards."""
+        return jax.jit(
+            functools.partial(init_state, optimizer=self.optimizer),
+            out_shardings=self.state_shardings,
+        )(params)
+
+    def check_prompts(self) -> None:
+        """Prompts longer than rollout.max_prompt_length: an error, or dropped (task.on_error);
+        then each split's prompt width (`prompt_width` of its longest kept prompt)."""
+        from jgrpo.tasks.datasets import check_prompt_lengths
+
+        limit, on_error = self.config.rollout.max_prompt_length, self.config.task.on_error
+        self.prompt_widths = {}
+        for split in ("train", "eval"):
+            examples = getattr(self.task, split)
+            prompts = [example["prompt"] for example in examples]
+            lengths = [len(tokens) for tokens in encode_prompts(self.tokenizer, prompts)]
+            kept = check_prompt_lengths(
+                examples,
+                self.tokenizer,
+                limit,
+                on_error=on_error,
+                source=f"{self.task.name} {split}",
+                lengths=lengths,
+            )
+            if len(kept) != len(examples):
+                setattr(self.task, split, kept)
+            kept_lengths = [n for n in lengths if n <= limit]  # aligned with `kept`
+            if split == "eval" and self.config.task.eval_size:
+                kept_lengths = kept_lengths[: self.config.task.eval_size]  # what evaluate reads
+            self.prompt_widths[split] = prompt_width(max(kept_lengths, default=0), limit)
+        logger.info(
+            "prompts are left-padded to %d columns (train) and %d (eval): the longest prompts "
+            "rounded up to a multiple of %d, at most rollout.max_prompt_length=%d",
+            self.prompt_widths["train"],
+            self.prompt_widths["eval"],
+            PROMPT_WIDTH_MULTIPLE,
+            limit,
+        )
+
+    def meta(self) -> dict:
+        """Run state beyond the arrays that a checkpoint keeps: a reward model's statistics."""
+        if self.reward_model is None:
+            return {}
+        return {"reward_model_moments": self.reward_model.moments.state()}
+
+    def load_meta(self, meta: Mapping[str, Any]) -> None:
+        """Restores what `meta()` saved (a checkpoint from before a reward model: nothing)."""
+        if self.reward_model is not None and "reward_model_moments" in meta:
+            self.reward_model.moments.load(meta["reward_model_moments"])
+
+    def frozen_reward_statistics(self):
+        """A context in which a reward model's running statistics are read, not updated."""
+        if self.reward_model is None:
+            return contextlib.nullcontext()
+        return self.reward_model.frozen()
