@@ -24,7 +24,7 @@ from jgrpo.generation import encode_prompts, pad_prompts
 from jgrpo.groups import Groups
 from jgrpo.losses import sequence_kl
 from jgrpo.rewards import Scores, score_completions
-from jgrpo.sampling import Rollout
+from jgrpo.sampling import Rollout, concurrent_rows
 from jgrpo.sharding import rules_context
 
 if TYPE_CHECKING:
@@ -47,6 +47,7 @@ def collect_groups(
     sampled: list[Groups] = []
     kept: list[Groups] = []
     metrics: dict[str, float] = {"time/rollout": 0.0, "time/reward": 0.0}
+    decode_steps = 0
     failures = 0
     for attempt in range(attempts):
         examples = tasks.take(setup.task.train, p, position=position, seed=c.train.seed)
@@ -57,6 +58,7 @@ def collect_groups(
         metrics["time/rollout"] += timings["time/rollout"]
         metrics["time/reward"] += timings["time/reward"]
         failures += timings["reward_failures"]
+        decode_steps += timings["decode_steps"]
         sampled.append(groups)
         if not c.algorithm.dynamic_sampling:
             break
@@ -95,6 +97,14 @@ def collect_groups(
     metrics["completion_len/max"] = int(lengths.max())
     metrics["truncated_frac"] = float(gather(everything.truncated).mean())
     metrics["tokens"] = int(lengths.sum())
+    # The decode loop: slots x decode steps it ran, and the share of them that drew a token
+    # (each row's first token comes from the prefill, outside the loop).
+    slots = concurrent_rows(setup.sampling.max_concurrent, p * g) or p * g
+    metrics["rollout/concurrent"] = slots
+    metrics["rollout/decode_steps"] = decode_steps
+    decoded = int((lengths - 1).sum())
+    metrics["rollout/slot_efficiency"] = decoded / (slots * decode_steps) if decode_steps else 1.0
+    metrics["rollout/tokens_per_s"] = metrics["tokens"] / max(metrics["time/rollout"], 1e-9)
     return batch_groups, metrics, position
 
 
@@ -112,6 +122,8 @@ def sample_and_score(
     )
     host = sample(setup, params, prompt_ids, prompt_mask, key, setup.sampling, g)
     timings["time/rollout"] = time.perf_counter() - start
+    # decode steps the rollout ran (the same on every process)
+    timings["decode_steps"] = distributed.agree_max(int(np.max(host.finished_at, initial=0)))
 
     start = time.perf_counter()
     tokens, lengths = np.asarray(host.tokens), np.asarray(host.lengths)

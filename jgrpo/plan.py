@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jgrpo.config import ConfigError, load_config
-from jgrpo.sampling import kv_cache_bytes
+from jgrpo.sampling import concurrent_rows, kv_cache_bytes
 from jgrpo.setup import Setup, packing_obstacle, shared_prompt_rows
 from jgrpo.sharding import abstract_arrays, replicated, rules_context
 from jgrpo.update import UpdateConfig
@@ -59,6 +59,9 @@ class MemoryPlan:
     unplanned: list[int] = dataclasses.field(default_factory=list)
     # settings that would save memory and are not set yet (`memory_knobs`)
     knobs: tuple[str, ...] = ()
+    # sequences a rollout samples, and how many decode at once (rollout.max_concurrent)
+    sequences: int = 0
+    concurrent: int = 0
 
     @property
     def resident(self) -> int:
@@ -100,7 +103,12 @@ class MemoryPlan:
                 if self.reward_model
                 else []
             ),
-            f"  rollout scratch  {_gib(self.rollout_scratch)}  (KV cache {_gib(self.kv_cache)})",
+            f"  rollout scratch  {_gib(self.rollout_scratch)}  (KV cache {_gib(self.kv_cache)}"
+            + (
+                f"; {self.concurrent} of {self.sequences} sequences decode at once)"
+                if self.concurrent < self.sequences
+                else ")"
+            ),
             f"  update scratch   {_gib(self.update_scratch)}  "
             f"(micro-batch of {self.micro_batch_rows} rows; batch {_gib(self.batch)})",
             f"  peak             {_gib(self.peak)}  (rollout {_gib(self.rollout_peak)}, "
@@ -190,7 +198,8 @@ def plan_memory(setup: Setup, micro_batch_candidates: Sequence[int] = ()) -> Mem
     shard_rows = mesh.shape["data"] * mesh.shape["fsdp"]
     with rules_context(mesh):  # one device's share of the prompt and completion caches
         prompt_cache = kv_cache_bytes(prompts, length, mc, c.model.dtype)
-        kv_cache = prompt_cache + kv_cache_bytes(rows, new_tokens, mc, c.model.dtype)
+        slots = concurrent_rows(setup.sampling.max_concurrent, rows) or rows
+        kv_cache = prompt_cache + kv_cache_bytes(slots, new_tokens, mc, c.model.dtype)
     reward_params, reward_scratch = reward_model_memory(c, mesh)
     plan = MemoryPlan(
         mesh=dict(mesh.shape),
@@ -205,6 +214,8 @@ def plan_memory(setup: Setup, micro_batch_candidates: Sequence[int] = ()) -> Mem
         reward_model=reward_params,
         reward_scratch=reward_scratch,
         knobs=memory_knobs(c),
+        sequences=rows,
+        concurrent=slots,
     )
     plan.fits[micro_rows] = plan.update_peak
     for candidate in micro_batch_candidates:

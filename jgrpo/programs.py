@@ -181,7 +181,7 @@ class Programs:
                 self.row_matrix,
                 replicated(self.mesh),
             ),
-            out_shardings=Rollout(*(self.row_matrix,) * 4, *(self.rows,) * 3),
+            out_shardings=Rollout(*(self.row_matrix,) * 4, *(self.rows,) * 4),
         )
 
     @functools.cached_property

@@ -1,6 +1,7 @@
 """Group sampling as one compiled program: prefill each prompt once, decode its G rows against
 that one prompt cache (`jgrpo.models.group_decode`) in a `jax.lax.while_loop` that stops when every
-row has stopped.
+row has stopped: every row at once, or with `SamplingConfig.max_concurrent` in that many slots
+that refill as rows stop (`decode_in_slots`).
 
 Shapes: P prompts, G generations per prompt, L (bucketed) prompt length, N new tokens,
 V vocabulary. Rows are ordered prompt-major: row p * G + g.
@@ -50,6 +51,7 @@ class SamplingConfig:
     stop_token_ids: tuple[int, ...] = ()  # EOS and, for chat models, the end-of-turn token
     pad_token_id: int = 0  # written after a row has stopped (always masked out)
     weights_dtype: str = "float32"  # "bfloat16": bf16 weight matrices, f32 sums (see rollout)
+    max_concurrent: int = 0  # sequences decoding at once, in refilled slots; 0 = every row
 
     def __post_init__(self):
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -62,6 +64,11 @@ class SamplingConfig:
             raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}.")
         if not 0 <= self.min_p < 1:
             raise ValueError(f"min_p must be in [0, 1) (0 = off), got {self.min_p}.")
+        if not isinstance(self.max_concurrent, int) or self.max_concurrent < 0:
+            raise ValueError(
+                f"max_concurrent must be an int >= 0 (0 = every row at once), got "
+                f"{self.max_concurrent!r}."
+            )
         if self.weights_dtype not in ("float32", "bfloat16"):
             raise ValueError(
                 f"weights_dtype must be 'float32' or 'bfloat16', got {self.weights_dtype!r}."
@@ -86,6 +93,9 @@ class Rollout(NamedTuple):
     lengths: jax.Array  # int32[P*G]; mask.sum(-1)
     truncated: jax.Array  # bool[P*G]; reached max_new_tokens without a stop token
     group_ids: jax.Array  # int32[P*G]; the prompt each row answers
+    # int32[P*G]: the decode step after which the row's last token was drawn (0: its first,
+    # from the prefill); the rollout ran max(finished_at) decode steps (`slot_efficiency`)
+    finished_at: jax.Array
 
 
 def filter_logits(logits: jax.Array, *, top_k: int, top_p: float, min_p: float) -> jax.Array:
@@ -225,6 +235,100 @@ def kv_cache_bytes(rows: int, slots: int, config: ModelConfig, dtype) -> int:
     return total // traced_shard_count((rows, config.num_kv_heads), ("batch", "kv_heads"))
 
 
+def concurrent_rows(max_concurrent: int, rows: int) -> int | None:
+    """The slots a rollout of `rows` sequences decodes in (`SamplingConfig.max_concurrent`):
+    None when every row decodes at once (0, or at least `rows`)."""
+    return max_concurrent if 0 < max_concurrent < rows else None
+
+
+def decode_in_slots(
+    first: dict,
+    feed,
+    uniforms: jax.Array,  # f32[N, P*G]: the uniform of token t of row r is uniforms[t, r]
+    *,
+    slots: int,
+    num_generations: int,
+    stop_ids: jax.Array,
+    sampling: SamplingConfig,
+    stop_after: jax.Array | None = None,
+) -> dict:
+    """Decodes the rows of `first` (the rollout's state after every row drew its first token
+    from the prefill) in `slots` refilled slots, on device: when a row stops, the next row
+    still to decode (in row order) takes its slot at once, at completion position 0.
+
+    `feed(cache, tokens [S], slot [S], prompt_rows [S])` runs one decode step of the slots
+    (each at its own completion position, reading its prompt from the shared prompt table)
+    and returns their logits [S, V] and the cache. A row's token t is drawn with
+    uniforms[t, row], as in the all-rows loop, so its tokens and log-probs depend on the seed,
+    the prompt and the row, not on the slot that ran it or on how many slots there are.
+    `stop_after` is `rollout`'s (benchmarks only).
+    Returns `first` with every row's record filled in, and `finished_at`: the decode step
+    after which each row drew its last token.
+    """
+    rows, steps = first["tokens"].shape
+    idle = rows  # a slot's row index when it has none: scatters to it are dropped
+    pending = ~first["stopped"] & (steps > 1)  # rows that need decode steps
+    order = jnp.argsort(~pending, stable=True).astype(jnp.int32)  # those first, in row order
+    count = pending.sum(dtype=jnp.int32)
+    slot_index = jnp.arange(slots, dtype=jnp.int32)
+    row = jnp.where(slot_index < count, order[:slots], idle)
+    state = dict(
+        first,
+        row=row,  # int32[S]: the row each slot decodes
+        drawn=jnp.ones((slots,), jnp.int32),  # tokens the slot's row has drawn
+        slot_token=jnp.take(first["last_token"], jnp.minimum(row, rows - 1)),
+        next_pending=jnp.minimum(count, slots),  # index into `order` of the next row to start
+        decode_step=jnp.zeros((), jnp.int32),
+        finished_at=jnp.zeros((rows,), jnp.int32),
+    )
+
+    def one_step(state):
+        row, drawn = state["row"], state["drawn"]
+        active = row < idle
+        safe_row = jnp.minimum(row, rows - 1)
+        logits, cache = feed(
+            state["cache"], state["slot_token"], drawn - 1, safe_row // num_generations
+        )
+        uniform = uniforms[jnp.minimum(drawn, steps - 1), safe_row]  # [S]
+        token, logprob, sampler_logprob = sample_tokens(logits, uniform, sampling)
+        if stop_after is not None:  # benchmarks: the row's chosen length
+            token = jnp.where(drawn + 1 >= stop_after[safe_row], stop_ids[0], token)
+        column = jnp.minimum(drawn, steps - 1)
+        written = dict(
+            tokens=state["tokens"].at[row, column].set(token, mode="drop"),
+            logprobs=state["logprobs"].at[row, column].set(logprob, mode="drop"),
+        )
+        if sampling.filters:
+            sampler = state["sampler_logprobs"].at[row, column].set(sampler_logprob, mode="drop")
+            written["sampler_logprobs"] = sampler
+        drawn = drawn + 1
+        is_stop = jnp.isin(token, stop_ids)
+        done = active & (is_stop | (drawn >= steps))
+        finished = jnp.where(done, row, idle)
+        decode_step = state["decode_step"] + 1
+        # The next pending rows take the finished slots, in slot order.
+        start = state["next_pending"] + jnp.cumsum(done, dtype=jnp.int32) - 1
+        refill = jnp.where(start < count, order[jnp.minimum(start, rows - 1)], idle)
+        new_row = jnp.where(done, refill, row)
+        first_token = jnp.take(state["last_token"], jnp.minimum(new_row, rows - 1))
+        return dict(
+            state,
+            **written,
+            cache=cache,
+            lengths=state["lengths"].at[finished].set(drawn, mode="drop"),
+            stopped=state["stopped"].at[finished].set(is_stop, mode="drop"),
+            finished_at=state["finished_at"].at[finished].set(decode_step, mode="drop"),
+            row=new_row,
+            drawn=jnp.where(done, 1, drawn),
+            slot_token=jnp.where(done, first_token, token),
+            next_pending=jnp.minimum(state["next_pending"] + done.sum(dtype=jnp.int32), count),
+            decode_step=decode_step,
+        )
+
+    final = jax.lax.while_loop(lambda state: jnp.any(state["row"] < idle), one_step, state)
+    return {name: final[name] for name in first} | {"finished_at": final["finished_at"]}
+
+
 @functools.partial(jax.jit, static_argnames=("model_config", "num_generations", "sampling"))
 def rollout(
     params: dict,
@@ -235,12 +339,16 @@ def rollout(
     model_config: ModelConfig,
     num_generations: int,
     sampling: SamplingConfig,
+    stop_after: jax.Array | None = None,  # int32[P*G]; benchmarks only
 ) -> Rollout:
     """G completions for each prompt, sampled by the model with parameters `params`.
 
     Args:
       params: the model's parameters, e.g. `jgrpo.models.Transformer.params()`.
       key: a PRNG key; draw a fresh one for every rollout.
+      stop_after: for benchmarks of ragged lengths only, never for training: row r's token
+        stop_after[r] - 1 becomes the first stop token (its log-probs stay the drawn
+        token's), so the rows stop at lengths the benchmark chose.
       model_config: static, like num_generations and sampling: a new value compiles anew.
 
     Returns a `Rollout` of P * G rows, prompt-major (row p * G + g). Its `sampler_logprobs`
@@ -253,6 +361,15 @@ def rollout(
     completion caches on a device, `kv_cache_bytes`) it runs in four phases whose
     completion buffers grow (`attention_phases`), so that attention reads about 5/8 of the
     cache slots it would read in one phase.
+
+    With `sampling.max_concurrent` = S below P * G, the rows decode in S slots instead
+    (`decode_in_slots`): each slot holds one row's whole completion cache, and when its row
+    stops the next row waiting takes the slot, on device, without a host round trip. The
+    completion caches then take S / (P * G) of their memory, and a decode step costs S rows
+    however ragged the lengths; a row's tokens are those the all-rows loop draws (the same
+    uniforms), and its log-probs equal it to float rounding (XLA picks kernels by batch
+    shape). Slots read their prompt's cache from the shared prompt table by index, so the
+    prompts are still prefilled and stored once per group; there are no phases.
 
     With `sampling.weights_dtype="bfloat16"` the weight matrices are cast to bf16 and every
     product accumulates in f32: decoding reads half the bytes, and tokens and their log-probs
@@ -271,8 +388,10 @@ def rollout(
         params = with_matmul_unembedding(params, matmul_dtype)
 
     # Prefill: P rows; the G rows of a prompt share its cache and start from its last logits.
+    slots = concurrent_rows(sampling.max_concurrent, rows)  # None: every row at once
     cache_bytes = kv_cache_bytes(rows, steps, model_config, params["embed"].dtype)
-    phases = attention_phases(steps, cache_bytes)  # one device's completion caches decide
+    # one device's completion caches decide; slots hold whole completions from the start
+    phases = attention_phases(steps, cache_bytes) if slots is None else [steps]
     hidden, cache = prefill(
         params,
         prompt_ids,
@@ -281,6 +400,7 @@ def rollout(
         num_generations=num_generations,
         max_new_tokens=phases[0],  # completion slots of the first phase
         matmul_dtype=matmul_dtype,
+        completion_rows=slots,
     )
     next_logits = jnp.repeat(logits_from_hidden(params, hidden), num_generations, axis=0)
     prompt_lengths = jnp.repeat(prompt_mask.astype(jnp.int32).sum(-1), num_generations)  # [P*G]
@@ -307,6 +427,8 @@ def rollout(
     def sample_step(state, logits):  # logits f32[P*G, V] for the token at state["step"]
         step, stopped = state["step"], state["stopped"]
         token, logprob, sampler_logprob = sample_tokens(logits, uniforms[step], sampling)
+        if stop_after is not None:
+            token = jnp.where(step + 1 >= stop_after, stop_ids[0], token)
         token = jnp.where(stopped, sampling.pad_token_id, token)
         is_stop = jnp.isin(token, stop_ids) & ~stopped
         state = dict(
@@ -347,7 +469,35 @@ def rollout(
     # step at state["step"] = s writes completion slot s - 1, so a phase whose buffers hold
     # `end` slots runs the steps s <= end (`attention_phases`).
     final = sample_step(start, next_logits)
-    for end in phases:
+    if slots is not None:
+
+        def feed(cache, tokens, slot, prompt_rows):  # -> (logits f32[S, V], cache)
+            positions = jnp.take(prompt_lengths, prompt_rows * num_generations) + slot
+            hidden, cache = decode_step(
+                params,
+                layers,
+                cache,
+                tokens,
+                positions,
+                slot,
+                prompt_mask,
+                rope=rope,
+                config=model_config,
+                prompt_rows=prompt_rows,
+            )
+            return decode_logits(unembedding, hidden), cache
+
+        final = decode_in_slots(
+            final,
+            feed,
+            uniforms,
+            slots=slots,
+            num_generations=num_generations,
+            stop_ids=stop_ids,
+            sampling=sampling,
+            stop_after=stop_after,
+        )
+    for end in phases if slots is None else ():
         final = jax.lax.while_loop(
             lambda state, end=end: keep_going(state) & (state["step"] <= end),
             decode_step_and_sample,
@@ -362,4 +512,5 @@ def rollout(
         lengths=lengths,
         truncated=~final["stopped"],
         group_ids=jnp.repeat(jnp.arange(prompts, dtype=jnp.int32), num_generations),
+        finished_at=final.get("finished_at", lengths - 1),
     )

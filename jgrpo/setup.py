@@ -29,12 +29,13 @@ from jgrpo.models.group_forward import PackedCompletions
 from jgrpo.models.transformer import with_rounded_weights
 from jgrpo.packing import packed_row_counts
 from jgrpo.programs import Programs
-from jgrpo.sampling import SamplingConfig
+from jgrpo.sampling import SamplingConfig, kv_cache_bytes
 from jgrpo.sharding import (
     make_mesh,
     optimizer_state_shardings,
     replicated,
     row_shardings,
+    rules_context,
     tree_shardings,
 )
 from jgrpo.update import Batch, TrainState, UpdateConfig, init_state, make_optimizer
@@ -137,6 +138,46 @@ def optimizer_of(config: Config):
     )
 
 
+def decode_slots(config: Config, model_config, mesh, prompt_width: int) -> int:
+    """The rollout's `max_concurrent`: rollout.max_concurrent, or with rollout.kv_cache_mib
+    the most slots whose completion caches fit in the budget beside the prompts' caches, on
+    each device (a multiple of the batch shards; 0, every row at once, when all rows fit).
+    ConfigError when not even one slot per device fits."""
+    r = config.rollout
+    if r.kv_cache_mib is None:
+        return r.max_concurrent
+    rows = r.prompts_per_step * r.num_generations
+    shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    dtype = config.model.dtype
+    with rules_context(mesh):  # one device's share, as the rollout places the caches
+        prompts = kv_cache_bytes(r.prompts_per_step, prompt_width, model_config, dtype)
+        per_shard_slot = kv_cache_bytes(shards, r.max_new_tokens, model_config, dtype)
+    budget = int(r.kv_cache_mib * 2**20)
+    slots = shards * max(0, (budget - prompts) // per_shard_slot)
+    if slots < shards:
+        need = (prompts + per_shard_slot) / 2**20
+        raise ConfigError(
+            f"rollout.kv_cache_mib={r.kv_cache_mib} holds no completion slot: on each device "
+            f"the prompts' caches take {prompts / 2**20:.2f} MiB and one completion of "
+            f"rollout.max_new_tokens={r.max_new_tokens} tokens {per_shard_slot / 2**20:.2f} MiB; "
+            f"raise it to at least {need:.2f}, or lower max_new_tokens."
+        )
+    if slots >= rows:
+        logger.info(
+            "rollout.kv_cache_mib=%g holds all %d sequences of a step: they decode at once",
+            r.kv_cache_mib,
+            rows,
+        )
+        return 0
+    logger.info(
+        "rollout.kv_cache_mib=%g: %d sequences decode at once (of %d a step)",
+        r.kv_cache_mib,
+        slots,
+        rows,
+    )
+    return slots
+
+
 class Setup(Programs):
     """What every step shares, built once from the config in this order: the task, the mesh,
     the policy and its tokenizer, the prompt widths, the sampling and update settings, the
@@ -162,6 +203,9 @@ class Setup(Programs):
             ),
             pad_token_id=self.tokenizer.pad_token_id or 0,
             weights_dtype=r.weights_dtype,
+            max_concurrent=decode_slots(
+                config, self.model_config, self.mesh, self.prompt_widths["train"]
+            ),
         )
         if not self.sampling.stop_token_ids:
             raise ConfigError(

@@ -124,10 +124,12 @@ def prefill(
     num_generations: int,
     max_new_tokens: int,
     matmul_dtype=None,
+    completion_rows: int | None = None,
 ) -> tuple[jax.Array, GroupCache]:
     """Runs the P prompts once; returns their last hidden states [P, E] and a `GroupCache`
-    with the prompts' keys/values and empty completion buffers for P * G rows. With
-    `matmul_dtype` the products take weights cast to it (`forward`'s argument)."""
+    with the prompts' keys/values and empty completion buffers for P * G rows (or
+    `completion_rows`: the slots of a slot rollout). With `matmul_dtype` the products take
+    weights cast to it (`forward`'s argument)."""
     hidden, (k, v) = forward(
         params,
         prompt_ids,
@@ -140,6 +142,7 @@ def prefill(
     dtype = params["embed"].dtype
     prompts = prompt_ids.shape[0]
     rows, kv_heads, dim = prompts * num_generations, config.num_kv_heads, config.head_dim
+    rows = rows if completion_rows is None else completion_rows
     keys_shape = (rows, kv_heads, dim, max_new_tokens)  # transposed: slots minor
     values_shape = (rows, kv_heads, max_new_tokens, dim)
     layers = range(config.num_layers)
@@ -185,10 +188,16 @@ def decode_step(
     *,
     rope: tuple[jax.Array, jax.Array],  # cos, sin f32[T, D/2] of positions 0..T-1
     config: ModelConfig,
+    prompt_rows: jax.Array | None = None,  # int32[B]: each row's prompt (slot rollouts)
 ) -> tuple[jax.Array, GroupCache]:
     """Feeds one token per row; returns the final hidden states, feature-major [E, P*G] (for
     `decode_logits`), and the cache with completion slot `slot` written. Rows attend to their
     prompt and completion slots <= slot.
+
+    A slot rollout (`jgrpo.sampling`) passes `slot` per row, int32[B] (each row is at its
+    own position), and `prompt_rows`, the prompt each row continues: a row then reads its
+    prompt's keys and values from the shared prompt table by that index (a gather per layer),
+    instead of the prompt-major groups of G rows.
 
     `rope` holds the RoPE tables of every position the decode reaches,
     `rope_tables(config, jnp.arange(T))`, computed once before the decode loop; the step
@@ -203,7 +212,11 @@ def decode_step(
     eps = config.rms_norm_eps
     rows = tokens.shape[0]
     heads, kv_heads, dim = config.num_heads, config.num_kv_heads, config.head_dim
-    completion_mask = jnp.arange(cache.completion_v[0].shape[2]) <= slot  # [N]
+    per_row = prompt_rows is not None
+    slots = jnp.arange(cache.completion_v[0].shape[2])
+    completion_mask = slots[None, :] <= slot[:, None] if per_row else slots <= slot  # [B, N] | [N]
+    if per_row:
+        prompt_mask = jnp.take(prompt_mask, prompt_rows, axis=0)  # [B, Lp]
     cos, sin = (jnp.take(table, positions, axis=0)[:, None] for table in rope)  # [B, 1, D/2]
     x = input_embeddings(params, tokens)  # [B, E]
     x = _feature_major(row_major(x.T))  # [E, B]
@@ -222,16 +235,17 @@ def decode_step(
             q, k = rms_norm(q, layer["q_norm"], eps), rms_norm(k, layer["k_norm"], eps)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin).transpose(0, 2, 3, 1)  # [B, K, D, 1]: cached transposed
-        completion_k = write_slice(cache.completion_k[i], k, (0, 0, 0, slot))
-        completion_v = write_slice(cache.completion_v[i], v, (0, 0, slot, 0))
+        if per_row:
+            completion_k = write_rows(cache.completion_k[i], k[..., 0], slot, axis=3)
+            completion_v = write_rows(cache.completion_v[i], v[:, :, 0], slot, axis=2)
+            prompt_k = jnp.take(cache.prompt_k[i], prompt_rows, axis=0)  # [B, K, Lp, D]
+            prompt_v = jnp.take(cache.prompt_v[i], prompt_rows, axis=0)
+        else:
+            completion_k = write_slice(cache.completion_k[i], k, (0, 0, 0, slot))
+            completion_v = write_slice(cache.completion_v[i], v, (0, 0, slot, 0))
+            prompt_k, prompt_v = cache.prompt_k[i], cache.prompt_v[i]
         attention = shared_prefix_attention(
-            q,
-            cache.prompt_k[i],
-            cache.prompt_v[i],
-            completion_k,
-            completion_v,
-            prompt_mask,
-            completion_mask,
+            q, prompt_k, prompt_v, completion_k, completion_v, prompt_mask, completion_mask
         )  # [B, 1, H, D]
         attention = row_major(attention.reshape(rows, heads * dim).T)  # [H*D, B]
         x = x + _times(layer["o"], attention)
@@ -243,6 +257,24 @@ def decode_step(
         new_v.append(completion_v)
     hidden = rms_norm(x, params["final_norm"][:, None], eps, axis=0)  # [E, B]
     return hidden, cache._replace(completion_k=tuple(new_k), completion_v=tuple(new_v))
+
+
+def write_rows(buffer: jax.Array, update: jax.Array, positions: jax.Array, axis: int) -> jax.Array:
+    """`buffer` [B, ...] with row b's `update[b]` written at index `positions[b]` of `axis`
+    (a per-row `write_slice`: one scatter, in place). Narrow dtypes go through their bits, as
+    in `write_slice`."""
+    index = [jnp.arange(buffer.shape[0]), *(slice(None),) * (buffer.ndim - 1)]
+    index[axis] = positions
+    update = update.astype(buffer.dtype)
+    if buffer.dtype.itemsize >= 4:
+        return buffer.at[tuple(index)].set(update)
+    bits = jnp.dtype(f"uint{8 * buffer.dtype.itemsize}")
+    written = (
+        jax.lax.bitcast_convert_type(buffer, bits)
+        .at[tuple(index)]
+        .set(jax.lax.bitcast_convert_type(update, bits))
+    )
+    return jax.lax.bitcast_convert_type(written, buffer.dtype)
 
 
 def _times(weight: jax.Array, x: jax.Array) -> jax.Array:
@@ -268,7 +300,7 @@ def shared_prefix_attention(
     completion_k: jax.Array,  # [P*G, K, D, N]: transposed, slots minor
     completion_v: jax.Array,  # [P*G, K, N, D]
     prompt_mask: jax.Array,  # [P, Lp]
-    completion_mask: jax.Array,  # bool[N], the same for every row
+    completion_mask: jax.Array,  # bool[N], the same for every row, or bool[P*G, N]
     *,
     batched_dots: bool | None = None,
 ) -> jax.Array:  # [P*G, 1, H, D]
@@ -306,6 +338,8 @@ def shared_prefix_attention(
     else:
         completion_scores = jnp.sum(q[..., None] * completion_k[:, :, None], axis=-2) * scale
     # completion_scores [B, K, G', N]
+    if completion_mask.ndim == 2:  # per row
+        completion_mask = completion_mask[:, None, None, :]
     completion_scores = jnp.where(completion_mask, completion_scores, _MASKED)
 
     top = jnp.maximum(

@@ -16,6 +16,17 @@ matrices, f32 sums; docs/training.md says what that rounds).
 
 Run: python scripts/benchmark_rollout.py [--preset tiny|llama-125m] [--prompts 8]
      [--generations 8] [--prompt-length 64] [--new-tokens 128] [--repeats 3] [--bf16-weights]
+
+`--ragged`: long, ragged completions instead (`rollout.max_concurrent`). Each row's length is
+drawn from a log-normal spread (median `--median-share` of --new-tokens, sigma `--spread`,
+within 1 .. N, seed 0) and forced with a stop token at that length, on both sides (jgrpo's
+benchmark-only `stop_after`; a logits processor for transformers). Printed side by side from
+one run: today's engine (every row at once), the slot engine with `--slots` slots (default
+half the rows) and with a KV budget of a quarter of today's full-batch cache, and
+transformers `generate`: decode steps, slot efficiency (tokens drawn by decode steps / (slots
+x decode steps)), seconds, tokens/s, and the KV cache (computed from the shapes: prompts once
++ completion buffers).
+     python scripts/benchmark.py rollout --ragged --new-tokens 1024 [--preset smollm2-135m]
 """
 
 from __future__ import annotations
@@ -69,6 +80,139 @@ def jgrpo_sampler(model, ids, mask, generations, new_tokens, weights_dtype="floa
     return run
 
 
+def ragged_lengths(rows: int, new_tokens: int, median_share: float, spread: float) -> np.ndarray:
+    """int32[rows]: log-normal lengths, median median_share x new_tokens, within 1 .. N."""
+    rng = np.random.default_rng(0)
+    drawn = rng.lognormal(np.log(median_share * new_tokens), spread, rows)
+    return np.clip(np.round(drawn), 1, new_tokens).astype(np.int32)
+
+
+def ragged(args, config, model, torch_model, prompt_ids) -> None:
+    """The --ragged benchmark (see the module docstring)."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    from jgrpo.sampling import kv_cache_bytes
+
+    # jgrpo stops on an id outside the vocabulary, which it never samples; transformers on
+    # EOS, which its logits processor allows only at the chosen step: every row ends exactly
+    # at its drawn length on both sides.
+    rows, new_tokens, eos = args.prompts * args.generations, args.new_tokens, 2
+    never_sampled = config.vocab_size
+    lengths = ragged_lengths(rows, new_tokens, args.median_share, args.spread)
+    ids = jnp.asarray(prompt_ids, jnp.int32)
+    mask = jnp.ones_like(ids)
+    stop_after = jnp.asarray(lengths)
+    params = model.params()
+
+    def kv_bytes(slots: int) -> int:
+        prompts = kv_cache_bytes(args.prompts, args.prompt_length, config, jnp.float32)
+        return prompts + kv_cache_bytes(slots, new_tokens, config, jnp.float32)
+
+    full_cache = kv_bytes(rows)
+    per_slot = kv_cache_bytes(1, new_tokens, config, jnp.float32)
+    quarter = max(1, (full_cache // 4 - kv_bytes(0)) // per_slot)  # slots within 1/4 of it
+    slots = args.slots or rows // 2
+    engines = {"today: every row at once": 0, f"slots: {slots}": slots}
+    engines[f"slots: {quarter} (KV budget 1/4)"] = quarter
+    for extra in args.also_slots:
+        engines[f"slots: {extra}"] = extra
+    results = {}
+    for name, slots in engines.items():
+        sampling = SamplingConfig(
+            max_new_tokens=new_tokens,
+            temperature=1.0,
+            stop_token_ids=(never_sampled,),
+            max_concurrent=slots,
+        )
+
+        def run(seed, sampling=sampling):
+            result = rollout(
+                params,
+                ids,
+                mask,
+                jax.random.key(seed),
+                model_config=model.config,
+                num_generations=args.generations,
+                sampling=sampling,
+                stop_after=stop_after,
+            )
+            return jax.block_until_ready(result)
+
+        run(0)  # compile
+        seconds = median_seconds(lambda r, run=run: run(r + 1), args.repeats)
+        last = run(args.repeats)  # a timed run's (seed = repeats)
+        made = np.asarray(last.lengths)
+        np.testing.assert_array_equal(made, lengths)
+        used, steps = slots or rows, int(np.asarray(last.finished_at).max())
+        results[name] = (used, steps, (made.sum() - rows) / (used * steps), seconds, made.sum())
+
+    class ForcedStop(LogitsProcessor):
+        """Row r's token lengths[r] - 1 is EOS, and no other (rows prompt-major, as generate
+        orders them)."""
+
+        def __call__(self, input_ids, scores):
+            drawn = input_ids.shape[1] - args.prompt_length
+            stop = torch.as_tensor(drawn + 1 >= lengths)
+            scores[:, eos] = -float("inf")
+            scores[stop] = -float("inf")
+            scores[stop, eos] = 0.0
+            return scores
+
+    torch_ids = torch.tensor(prompt_ids)
+
+    def torch_generate(seed):
+        torch.manual_seed(seed)
+        with torch.inference_mode():
+            out = torch_model.generate(
+                torch_ids,
+                attention_mask=torch.ones_like(torch_ids),
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                num_return_sequences=args.generations,
+                max_new_tokens=new_tokens,
+                logits_processor=LogitsProcessorList([ForcedStop()]),
+                eos_token_id=eos,
+                pad_token_id=0,
+            )
+        return out
+
+    if not args.skip_transformers:
+        torch_generate(0)  # warm-up
+        seconds = median_seconds(lambda r: torch_generate(r + 1), args.repeats)
+        completions = torch_generate(args.repeats)[:, args.prompt_length :].numpy()
+        made = np.where((completions == eos).any(1), (completions == eos).argmax(1) + 1, new_tokens)
+        np.testing.assert_array_equal(made, lengths)
+        steps = int(made.max()) - 1
+        efficiency = (made.sum() - rows) / (rows * steps)
+        results["transformers generate"] = (rows, steps, efficiency, seconds, made.sum())
+
+    print(
+        f"preset {args.preset} ({config.num_params / 1e6:.1f}M params, f32); {args.prompts} "
+        f"prompts x {args.generations} = {rows} sequences, prompt length {args.prompt_length}, "
+        f"max_new_tokens {new_tokens}; lengths log-normal: median {int(np.median(lengths))}, "
+        f"mean {lengths.mean():.0f}, max {lengths.max()} ({lengths.sum()} tokens); "
+        f"median of {args.repeats}; jax {jax.__version__} ({jax.default_backend()}), "
+        f"torch {torch.__version__} ({torch.get_num_threads()} threads)"
+    )
+    print(
+        f"\n{'engine':<34}{'slots':>6}{'steps':>7}{'efficiency':>12}{'seconds':>9}"
+        f"{'tokens/s':>10}{'KV MiB':>9}"
+    )
+    for name, (slots, steps, efficiency, seconds, tokens) in results.items():
+        kv = "" if name.startswith("transformers") else f"{kv_bytes(slots) / 2**20:9.1f}"
+        print(
+            f"{name:<34}{slots:>6}{steps:>7}{efficiency:>12.3f}{seconds:>9.2f}"
+            f"{tokens / seconds:>10.0f}{kv}"
+        )
+    today, *slotted = [results[name][3] for name in engines]
+    print(
+        f"\ntoday / slots: {today / slotted[0]:.2f}x (target >= 2 at 1024 on CPU); "
+        f"KV budget 1/4 / slots: {slotted[1] / slotted[0]:.2f}x (target <= 1.3)"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="tiny")
@@ -81,6 +225,12 @@ def main() -> None:
     parser.add_argument(
         "--bf16-weights", action="store_true", help="also time jgrpo with bf16 sampling weights"
     )
+    parser.add_argument("--ragged", action="store_true", help="long ragged completions, slots")
+    parser.add_argument("--slots", type=int, default=0, help="--ragged: slots (0: half the rows)")
+    parser.add_argument("--median-share", type=float, default=0.15)
+    parser.add_argument("--spread", type=float, default=1.0, help="log-normal sigma")
+    parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--also-slots", type=int, nargs="*", default=[], help="--ragged: more")
     args = parser.parse_args()
     reexec_with_huge_pages()  # as the CLI does; returns where it would not help
 
@@ -95,6 +245,10 @@ def main() -> None:
         write_checkpoint(args.preset, directory)  # random Llama, seed 0: both sides load it
         model = models.from_pretrained(directory)
         torch_model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+
+    if args.ragged:
+        ragged(args, config, model, torch_model, prompt_ids)
+        return
 
     # --- 1. generated tokens/s -----------------------------------------------------------
     ids = jnp.asarray(prompt_ids, jnp.int32)

@@ -28,6 +28,16 @@ class RolloutSection:
         "weight matrices while sampling: float32 (the parameters), or bfloat16 (a copy, f32 "
         "sums: faster decoding, from the policy with its matrices rounded to bf16)",
     )
+    max_concurrent: int = option(
+        0,
+        "sequences decoding at once: when one stops, the step's next waiting sequence takes "
+        "its slot (on device); 0 = every sequence of the step at once",
+    )
+    kv_cache_mib: float | None = option(
+        None,
+        "KV cache per device (prompts + completion slots): chooses max_concurrent, the most "
+        "slots that fit; None = no budget",
+    )
 
     def check(self):
         check_dtype("rollout.weights_dtype", self.weights_dtype)
@@ -44,6 +54,18 @@ class RolloutSection:
         for name in ("prompts_per_step", "max_new_tokens", "max_prompt_length"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"rollout.{name} must be >= 1, got {getattr(self, name)}.")
+        if self.max_concurrent < 0:
+            raise ConfigError(
+                f"rollout.max_concurrent must be >= 0 (0 = every sequence at once), got "
+                f"{self.max_concurrent}."
+            )
+        if self.kv_cache_mib is not None and self.kv_cache_mib <= 0:
+            raise ConfigError(f"rollout.kv_cache_mib must be > 0 or null, got {self.kv_cache_mib}.")
+        if self.kv_cache_mib is not None and self.max_concurrent:
+            raise ConfigError(
+                "rollout.kv_cache_mib chooses rollout.max_concurrent, so set one of them: "
+                f"got max_concurrent={self.max_concurrent} and kv_cache_mib={self.kv_cache_mib}."
+            )
         if not 0 < self.top_p <= 1 or self.top_k < 0 or not 0 <= self.min_p < 1:
             raise ConfigError(
                 "rollout.top_p must be in (0, 1], rollout.top_k >= 0, rollout.min_p in [0, 1); "
