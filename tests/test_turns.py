@@ -1,0 +1,218 @@
+"""Multi-turn rollouts: the KV cache carried across turns, context tokens fed and not trained,
+the limits, the template's context between turns, and an update that trains only the model's
+own tokens."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from tiny_hf import save_char_checkpoint
+from transformers import AutoTokenizer
+
+import jgrpo
+from jgrpo.generation import pad_prompts
+from jgrpo.models.config import preset
+from jgrpo.models.hf import from_pretrained
+from jgrpo.models.transformer import Transformer
+from jgrpo.sampling import SamplingConfig
+from jgrpo.tasks.arithmetic import text_tokenizer
+from jgrpo.tools import EnvironmentStep
+from jgrpo.turns import context_after_turn, run_episodes
+from jgrpo.update import Batch, UpdateConfig, init_state, train_step
+
+
+class Counter:
+    """Answers each turn with a tool message 'n<turn>'; the episode ends after `turns` turns."""
+
+    def __init__(self, turns: int):
+        self.turns = turns
+
+    def reset(self, example):
+        return [{"role": "user", "content": example["prompt"]}]
+
+    def step(self, messages):
+        done = sum(m["role"] == "assistant" for m in messages)
+        answer = [{"role": "tool", "content": f"n{done}"}]
+        return EnvironmentStep(answer, done=done >= self.turns, tool_calls=1)
+
+
+@pytest.fixture(scope="module")
+def char_model(tmp_path_factory):
+    directory = save_char_checkpoint(tmp_path_factory.mktemp("char"))
+    return from_pretrained(directory), AutoTokenizer.from_pretrained(directory)
+
+
+PROMPTS = ["1+2=", "30+4="]
+
+
+def episodes(char_model, *, max_turns=4, total_tokens=96, max_new_tokens=12, turns=3, key=0):
+    model, tokenizer = char_model
+    stops = (tokenizer.eos_token_id, *tokenizer.convert_tokens_to_ids(["x", "q", "7"]))
+    sampling = SamplingConfig(
+        max_new_tokens=max_new_tokens, stop_token_ids=stops, pad_token_id=tokenizer.pad_token_id
+    )
+    return run_episodes(
+        model.params(),
+        [{"prompt": prompt} for prompt in PROMPTS],
+        jax.random.key(key),
+        environment=Counter(turns),
+        tokenizer=tokenizer,
+        model_config=model.config,
+        num_generations=3,
+        sampling=sampling,
+        max_turns=max_turns,
+        total_tokens=total_tokens,
+        prompt_width=16,
+    )
+
+
+def full_forward_logprobs(char_model, result):
+    """Log-probs of every written token under one forward pass over prompt + the whole area."""
+    model, tokenizer = char_model
+    prompts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False
+        )
+        for p in PROMPTS
+    ]
+    ids, mask = pad_prompts(
+        [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts], buckets=(16,)
+    )
+    ids, mask = np.repeat(ids, 3, axis=0), np.repeat(mask, 3, axis=0)
+    sequence = np.concatenate([ids, result.tokens], axis=1)
+    sequence_mask = np.concatenate([mask, result.mask.astype(np.int32)], axis=1)
+    logits = model(jnp.asarray(sequence), attention_mask=jnp.asarray(sequence_mask))
+    logprobs, _ = jgrpo.token_logprobs(logits[:, ids.shape[1] - 1 : -1], jnp.asarray(result.tokens))
+    return np.asarray(logprobs)
+
+
+def test_turns_continue_one_sequence_whose_cache_survives_between_turns(char_model):
+    """Every model token's log-prob equals a full forward pass over the prompt and the whole
+    area (turns and context): the cache kept across turns holds the fed context. Context
+    tokens are the template's rendering of the tool answer, with mask 1, model_mask 0 and
+    log-prob 0."""
+    _, tokenizer = char_model
+    result = episodes(char_model)
+    model_mask, mask = result.model_mask, result.mask
+    expected = full_forward_logprobs(char_model, result)
+    np.testing.assert_allclose(result.logprobs[model_mask], expected[model_mask], atol=2e-5)
+    context = mask & ~model_mask
+    assert context.any() and np.all(result.logprobs[context] == 0)
+    assert np.all(~mask[:, 1:] | mask[:, :-1])  # written tokens are a prefix of the area
+    assert set(result.turns.tolist()) >= {3}  # some rows played every turn
+    for row in range(len(result.lengths)):
+        text = tokenizer.decode(
+            result.tokens[row, : result.lengths[row]], skip_special_tokens=False
+        )
+        conversation = result.conversations[row]
+        turns = [m["content"] for m in conversation if m["role"] == "assistant"]
+        assert len(turns) == result.turns[row]
+        tools = [m["content"] for m in conversation if m["role"] == "tool"]
+        assert tools == [f"n{k}" for k in range(1, len(tools) + 1)]
+        for reply in tools:  # the simple template renders "\ntool: n1\nassistant: "
+            assert f"tool: {reply}\nassistant: " in text
+        # the context tokens are exactly the template's text between turns
+        context_text = tokenizer.decode(result.tokens[row][context[row]], skip_special_tokens=False)
+        assert context_text == "".join(f"\ntool: {reply}\nassistant: " for reply in tools)
+
+
+def test_limits_end_episodes_as_truncated(char_model):
+    by_turns = episodes(char_model, max_turns=2, turns=5, max_new_tokens=40)
+    # with a 2-turn limit a row still calling tools after its second turn is cut off
+    assert np.all(by_turns.turns <= 2)
+    # (the environment never ends an episode before 5 turns: every row is cut off by a limit)
+    np.testing.assert_array_equal(
+        by_turns.out_of_turns, (by_turns.turns == 2) & ~by_turns.out_of_tokens
+    )
+    assert by_turns.out_of_turns.any() and (by_turns.out_of_turns | by_turns.out_of_tokens).all()
+    np.testing.assert_array_equal(
+        by_turns.truncated, by_turns.out_of_turns | by_turns.out_of_tokens
+    )
+    by_tokens = episodes(char_model, total_tokens=40, turns=9, max_turns=9, max_new_tokens=40)
+    assert by_tokens.out_of_tokens.all() and np.all(by_tokens.lengths <= 40)
+    per_turn = episodes(char_model, max_new_tokens=3, turns=9, max_turns=9)
+    drawn = [m["content"] for c in per_turn.conversations for m in c if m["role"] == "assistant"]
+    assert max(len(text) for text in drawn) <= 3  # a turn holds at most max_new_tokens tokens
+
+
+def test_the_same_key_gives_the_same_episodes(char_model):
+    first, again = episodes(char_model, key=4), episodes(char_model, key=4)
+    np.testing.assert_array_equal(first.tokens, again.tokens)
+    np.testing.assert_array_equal(first.logprobs, again.logprobs)
+
+
+QWEN_LIKE = (
+    "{% for m in messages %}{% if m['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n"
+    "{{ m['content'] }}\n</tool_response><|im_end|>\n{% else %}<|im_start|>{{ m['role'] }}\n"
+    "{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_the_context_is_what_the_template_renders_between_turns():
+    tokenizer = text_tokenizer()
+    history = [{"role": "user", "content": "How old is Ada?"}]
+    answer = [{"role": "tool", "content": "36"}]
+    turn = "<tool_call>lookup ada</tool_call>"
+    # The simple template renders no end-of-turn text: the model's stop token stays as it is.
+    assert context_after_turn(tokenizer, history, turn, answer, "</s>", None) == (
+        "\ntool: 36\nassistant: "
+    )
+    tokenizer.chat_template = QWEN_LIKE  # <|im_end|> is the model's stop token: not repeated
+    assert context_after_turn(tokenizer, history, turn, answer, "<|im_end|>", None) == (
+        "\n<|im_start|>user\n<tool_response>\n36\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+
+
+def test_the_update_trains_the_models_tokens_with_the_tool_tokens_as_fixed_context():
+    """One multi-turn row (prompt, turn 1, tool answer, turn 2; the answer masked out of the
+    loss) updates the policy exactly as two single-turn rows do: turn 1 after the prompt, and
+    turn 2 after the prompt, turn 1 and the answer as its fixed prompt (token-level loss, KL
+    to a reference, two passes)."""
+    config = preset("tiny")
+    params = Transformer(config, rngs=nnx.Rngs(0)).params()
+    reference = Transformer(config, rngs=nnx.Rngs(1)).params()
+    rng = np.random.default_rng(0)
+    prompt, turn1, answer, turn2 = (rng.integers(3, config.vocab_size, n) for n in (4, 3, 4, 3))
+    area = np.concatenate([turn1, answer, turn2])
+    model_mask = np.array([1, 1, 1, 0, 0, 0, 0, 1, 1, 1], bool)
+    multi = Batch(
+        input_ids=jnp.asarray(np.concatenate([prompt, area])[None], jnp.int32),
+        attention_mask=jnp.ones((1, 14), jnp.int32),
+        completion_mask=jnp.asarray(model_mask[None]),
+        advantages=jnp.asarray([0.7], jnp.float32),
+    )
+    context = np.concatenate([prompt, turn1, answer])  # 11 tokens: turn 2's fixed prompt
+    single = Batch(
+        input_ids=jnp.asarray(
+            [np.concatenate([np.zeros(7, int), prompt, turn1]), np.concatenate([context, turn2])],
+            jnp.int32,
+        ),
+        attention_mask=jnp.asarray([[0] * 7 + [1] * 7, [1] * 14], jnp.int32),
+        completion_mask=jnp.ones((2, 3), bool),
+        advantages=jnp.asarray([0.7, 0.7], jnp.float32),
+    )
+    optimizer = optax.sgd(1.0)  # the new parameters show the gradients themselves
+    settings = UpdateConfig(loss_type="dapo", beta=0.04, num_iterations=2)
+    results = [
+        train_step(
+            init_state(jax.tree.map(jnp.copy, params), optimizer),
+            batch,
+            reference,
+            model_config=config,
+            update_config=settings,
+            optimizer=optimizer,
+        )
+        for batch in (multi, single)
+    ]
+    (multi_state, multi_metrics), (single_state, single_metrics) = results
+    for name in ("loss", "kl_mean", "grad_norm", "ratio_mean"):
+        np.testing.assert_allclose(multi_metrics[name], single_metrics[name], rtol=2e-5, atol=1e-7)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+        multi_state.params,
+        single_state.params,
+    )
