@@ -21,11 +21,11 @@ Run: python scripts/benchmark_rollout.py [--preset tiny|llama-125m] [--prompts 8
 drawn from a log-normal spread (median `--median-share` of --new-tokens, sigma `--spread`,
 within 1 .. N, seed 0) and forced with a stop token at that length, on both sides (jgrpo's
 benchmark-only `stop_after`; a logits processor for transformers). Printed side by side from
-one run: today's engine (every row at once), the slot engine with `--slots` slots (default
-half the rows) and with a KV budget of a quarter of today's full-batch cache, and
+one run: today's engine (every row at once), the slot engine with a KV budget of a quarter of
+today's full-batch cache and with each of `--slots` (default R/2, R/8, R/16 of the R rows), and
 transformers `generate`: decode steps, slot efficiency (tokens drawn by decode steps / (slots
-x decode steps)), seconds, tokens/s, and the KV cache (computed from the shapes: prompts once
-+ completion buffers).
+x decode steps)), seconds, tokens/s, the KV cache (computed from the shapes: prompts once
++ completion buffers) and the speed against today's engine.
      python scripts/benchmark.py rollout --ragged --new-tokens 1024 [--preset smollm2-135m]
 """
 
@@ -111,12 +111,11 @@ def ragged(args, config, model, torch_model, prompt_ids) -> None:
     full_cache = kv_bytes(rows)
     per_slot = kv_cache_bytes(1, new_tokens, config, jnp.float32)
     quarter = max(1, (full_cache // 4 - kv_bytes(0)) // per_slot)  # slots within 1/4 of it
-    slots = args.slots or rows // 2
-    engines = {"today: every row at once": 0, f"slots: {slots}": slots}
+    engines = {"today: every row at once": 0}
     engines[f"slots: {quarter} (KV budget 1/4)"] = quarter
-    for extra in args.also_slots:
-        engines[f"slots: {extra}"] = extra
-    results = {}
+    for slots in args.slots or [rows // 2, rows // 8, rows // 16]:
+        engines[f"slots: {slots}"] = slots
+    results, latest = {}, {}
     for name, slots in engines.items():
         sampling = SamplingConfig(
             max_new_tokens=new_tokens,
@@ -136,11 +135,12 @@ def ragged(args, config, model, torch_model, prompt_ids) -> None:
                 sampling=sampling,
                 stop_after=stop_after,
             )
-            return jax.block_until_ready(result)
+            latest["jgrpo"] = jax.block_until_ready(result)
+            return latest["jgrpo"]
 
         run(0)  # compile
         seconds = median_seconds(lambda r, run=run: run(r + 1), args.repeats)
-        last = run(args.repeats)  # a timed run's (seed = repeats)
+        last = latest["jgrpo"]  # the last timed run's
         made = np.asarray(last.lengths)
         np.testing.assert_array_equal(made, lengths)
         used, steps = slots or rows, int(np.asarray(last.finished_at).max())
@@ -176,12 +176,13 @@ def ragged(args, config, model, torch_model, prompt_ids) -> None:
                 eos_token_id=eos,
                 pad_token_id=0,
             )
+        latest["transformers"] = out
         return out
 
     if not args.skip_transformers:
         torch_generate(0)  # warm-up
         seconds = median_seconds(lambda r: torch_generate(r + 1), args.repeats)
-        completions = torch_generate(args.repeats)[:, args.prompt_length :].numpy()
+        completions = latest["transformers"][:, args.prompt_length :].numpy()
         made = np.where((completions == eos).any(1), (completions == eos).argmax(1) + 1, new_tokens)
         np.testing.assert_array_equal(made, lengths)
         steps = int(made.max()) - 1
@@ -198,18 +199,23 @@ def ragged(args, config, model, torch_model, prompt_ids) -> None:
     )
     print(
         f"\n{'engine':<34}{'slots':>6}{'steps':>7}{'efficiency':>12}{'seconds':>9}"
-        f"{'tokens/s':>10}{'KV MiB':>9}"
+        f"{'tokens/s':>10}{'KV MiB':>9}{'today/this':>12}"
     )
+    today = results["today: every row at once"][3]
     for name, (slots, steps, efficiency, seconds, tokens) in results.items():
-        kv = "" if name.startswith("transformers") else f"{kv_bytes(slots) / 2**20:9.1f}"
+        kv = f"{'':>9}" if name.startswith("transformers") else f"{kv_bytes(slots) / 2**20:9.1f}"
         print(
             f"{name:<34}{slots:>6}{steps:>7}{efficiency:>12.3f}{seconds:>9.2f}"
-            f"{tokens / seconds:>10.0f}{kv}"
+            f"{tokens / seconds:>10.0f}{kv}{today / seconds:>12.2f}"
         )
-    today, *slotted = [results[name][3] for name in engines]
+    slotted = {name: result for name, result in results.items() if name.startswith("slots")}
+    fastest = min(slotted, key=lambda name: slotted[name][3])
+    budget = next(name for name in slotted if "budget" in name)
     print(
-        f"\ntoday / slots: {today / slotted[0]:.2f}x (target >= 2 at 1024 on CPU); "
-        f"KV budget 1/4 / slots: {slotted[1] / slotted[0]:.2f}x (target <= 1.3)"
+        f"\nfastest slots ({fastest}): {today / slotted[fastest][3]:.2f}x today's speed (target "
+        f">= 2 at 1024 on CPU), efficiency {slotted[fastest][2]:.3f} (target >= 0.85); KV "
+        f"budget 1/4: {slotted[budget][3] / today:.2f}x today's time and "
+        f"{slotted[budget][3] / slotted[fastest][3]:.2f}x the fastest slots' (target <= 1.3)"
     )
 
 
@@ -226,11 +232,12 @@ def main() -> None:
         "--bf16-weights", action="store_true", help="also time jgrpo with bf16 sampling weights"
     )
     parser.add_argument("--ragged", action="store_true", help="long ragged completions, slots")
-    parser.add_argument("--slots", type=int, default=0, help="--ragged: slots (0: half the rows)")
+    parser.add_argument(
+        "--slots", type=int, nargs="*", default=[], help="--ragged: slot counts (R/2, R/8, R/16)"
+    )
     parser.add_argument("--median-share", type=float, default=0.15)
     parser.add_argument("--spread", type=float, default=1.0, help="log-normal sigma")
     parser.add_argument("--skip-transformers", action="store_true")
-    parser.add_argument("--also-slots", type=int, nargs="*", default=[], help="--ragged: more")
     args = parser.parse_args()
     reexec_with_huge_pages()  # as the CLI does; returns where it would not help
 
