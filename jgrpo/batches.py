@@ -77,9 +77,10 @@ def to_batch(
 ) -> Batch:
     """The update's batch; `width` keeps the first `width` completion columns (None: all),
     and with `algorithm.pack_completions` each group's completions are packed into
-    `packed_rows` rows (None: G)."""
+    `packed_rows` rows (None: G). Attention sees every written token (`Groups.mask`), the
+    loss only the model's own (`Groups.model_mask`)."""
     tokens, mask = groups.tokens[:, :width], groups.mask[:, :width]
-    completion_mask = mask
+    completion_mask = groups.loss_mask[:, :width]  # multi-turn: not the answers between turns
     if setup.config.algorithm.mask_truncated:
         completion_mask = completion_mask & ~groups.truncated[:, None]
     packed = None

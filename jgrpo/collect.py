@@ -49,6 +49,7 @@ def collect_groups(
     metrics: dict[str, float] = {"time/rollout": 0.0, "time/reward": 0.0}
     decode_steps = 0
     failures = 0
+    episode_counts: dict[str, int] = {}  # multi-turn: tool calls, turns, truncations
     for attempt in range(attempts):
         examples = tasks.take(setup.task.train, p, position=position, seed=c.train.seed)
         position += p
@@ -59,6 +60,8 @@ def collect_groups(
         metrics["time/reward"] += timings["time/reward"]
         failures += timings["reward_failures"]
         decode_steps += timings["decode_steps"]
+        for name, count in timings.get("episodes", {}).items():
+            episode_counts[name] = episode_counts.get(name, 0) + count
         sampled.append(groups)
         if not c.algorithm.dynamic_sampling:
             break
@@ -97,6 +100,16 @@ def collect_groups(
     metrics["completion_len/max"] = int(lengths.max())
     metrics["truncated_frac"] = float(gather(everything.truncated).mean())
     metrics["tokens"] = int(lengths.sum())
+    if episode_counts:  # multi-turn: per episode, over every process's rows
+        counts = {name: int(gather([count]).sum()) for name, count in episode_counts.items()}
+        episodes = len(lengths)
+        metrics["turns/mean"] = counts["turns"] / episodes
+        metrics["tools/calls_per_completion"] = counts["tools/calls"] / episodes
+        metrics["tools/errors"] = counts["tools/errors"]
+        metrics["truncated/turns"] = counts["truncated/turns"] / episodes
+        metrics["truncated/tokens"] = counts["truncated/tokens"] / episodes
+        metrics["model_tokens/mean"] = float(gather(everything.loss_mask.sum(1)).mean())
+        return batch_groups, metrics, position
     # The decode loop: slots x decode steps it ran, and the share of them that drew a token
     # (each row's first token comes from the prefill, outside the loop).
     slots = concurrent_rows(setup.sampling.max_concurrent, p * g) or p * g
@@ -112,7 +125,9 @@ def sample_and_score(
     setup: Setup, params, ref_params, examples, key, pool: VerifierPool | None
 ) -> tuple[Groups, dict]:
     """Rollout and rewards of this process's share of `examples` (all of them with one
-    process); the Groups hold only those rows."""
+    process); the Groups hold only those rows. Multi-turn tasks: `sample_episodes_and_score`."""
+    if setup.environment is not None:
+        return sample_episodes_and_score(setup, params, ref_params, examples, key, pool)
     c, g = setup.config, setup.group_size
     timings = {}
     start = time.perf_counter()
@@ -134,7 +149,7 @@ def sample_and_score(
     if c.algorithm.overlong_buffer:
         penalty = overlong_penalty(
             lengths,
-            c.rollout.max_new_tokens,
+            c.rollout.completion_tokens,
             c.algorithm.overlong_buffer,
             c.algorithm.overlong_penalty,
         )
@@ -157,23 +172,123 @@ def sample_and_score(
         texts=texts,
         prompts=prompts,
     )
-    if setup.kl_weight_in_reward:
-        start = time.perf_counter()
-        batch = to_batch(setup, groups, np.zeros(len(texts), np.float32))
-        ref = setup.block.local(setup.frozen_logprobs(ref_params, batch))
-        kl = np.asarray(
-            sequence_kl(
-                jnp.asarray(host.logprobs),  # the policy's, not top-k/p-filtered
-                jnp.asarray(ref),
-                jnp.asarray(groups.mask),
-                kl_estimator=c.algorithm.kl_estimator,
-            )
-        )
-        groups.rewards = groups.rewards - setup.kl_weight_in_reward * kl
-        groups.per_function["kl_penalty"] = -setup.kl_weight_in_reward * kl
-        timings["time/reward"] += time.perf_counter() - start
+    add_kl_to_rewards(setup, groups, np.asarray(host.logprobs), ref_params, timings)
     timings["reward_failures"] = sum(scores.failures.values())
     return groups, timings
+
+
+def add_kl_to_rewards(setup: Setup, groups: Groups, logprobs, ref_params, timings: dict) -> None:
+    """With algorithm.kl_in_reward: subtracts beta x each row's KL to the reference (over the
+    model's tokens; `logprobs` are the policy's, not top-k/p-filtered) from its reward."""
+    if not setup.kl_weight_in_reward:
+        return
+    start = time.perf_counter()
+    batch = to_batch(setup, groups, np.zeros(len(groups.texts), np.float32))
+    ref = setup.block.local(setup.frozen_logprobs(ref_params, batch))
+    kl = np.asarray(
+        sequence_kl(
+            jnp.asarray(logprobs),
+            jnp.asarray(ref),
+            jnp.asarray(groups.loss_mask),
+            kl_estimator=setup.config.algorithm.kl_estimator,
+        )
+    )
+    groups.rewards = groups.rewards - setup.kl_weight_in_reward * kl
+    groups.per_function["kl_penalty"] = -setup.kl_weight_in_reward * kl
+    timings["time/reward"] += time.perf_counter() - start
+
+
+def sample_episodes_and_score(
+    setup: Setup, params, ref_params, examples, key, pool: VerifierPool | None
+) -> tuple[Groups, dict]:
+    """`sample_and_score` for multi-turn tasks: episodes of turns and tool or environment
+    answers (`jgrpo.turns`), scored on their conversations."""
+    c, g = setup.config, setup.group_size
+    timings = {}
+    start = time.perf_counter()
+    examples = setup.block.take(examples)
+    episodes = run_setup_episodes(setup, params, examples, key, setup.sampling, g)
+    timings["time/rollout"] = time.perf_counter() - start
+    timings["decode_steps"] = 0  # host-driven turns: not one decode loop
+
+    start = time.perf_counter()
+    rows_examples = [example for example in examples for _ in range(g)]
+    prompts, texts, scores = score(
+        setup,
+        rows_examples,
+        episodes.tokens,
+        episodes.lengths,
+        episodes.truncated,
+        pool,
+        conversations=episodes.conversations,
+        model_mask=episodes.model_mask,
+    )
+    rewards = scores.total.copy()
+    per_function = dict(scores.per_function)
+    if c.algorithm.overlong_buffer:
+        penalty = overlong_penalty(
+            episodes.lengths,
+            c.rollout.completion_tokens,
+            c.algorithm.overlong_buffer,
+            c.algorithm.overlong_penalty,
+        )
+        rewards += penalty
+        per_function["overlong"] = penalty
+    timings["time/reward"] = time.perf_counter() - start
+    groups = Groups(
+        prompt_ids=np.repeat(episodes.prompt_ids, g, axis=0),
+        prompt_mask=np.repeat(episodes.prompt_mask, g, axis=0),
+        tokens=episodes.tokens,
+        mask=episodes.mask,
+        model_mask=episodes.model_mask,
+        sampler_logprobs=episodes.sampler_logprobs,
+        lengths=episodes.lengths,
+        truncated=episodes.truncated,
+        rewards=rewards,
+        valid=scores.valid,
+        per_function=per_function,
+        texts=texts,
+        prompts=prompts,
+    )
+    add_kl_to_rewards(setup, groups, episodes.logprobs, ref_params, timings)
+    timings["reward_failures"] = sum(scores.failures.values())
+    timings["episodes"] = {
+        "tools/calls": int(episodes.tool_calls.sum()),
+        "tools/errors": int(episodes.tool_errors.sum()),
+        "turns": int(episodes.turns.sum()),
+        "truncated/turns": int(episodes.out_of_turns.sum()),
+        "truncated/tokens": int(episodes.out_of_tokens.sum()),
+    }
+    return groups, timings
+
+
+def run_setup_episodes(setup: Setup, params, examples, key, sampling, num_generations):
+    """This process's episodes of `examples` (`jgrpo.turns.run_episodes`) on the mesh."""
+    from jgrpo.turns import run_episodes
+
+    width = setup.prompt_widths["train"]
+    with rules_context(setup.mesh):
+        return run_episodes(
+            params,
+            examples,
+            key,
+            new_environment=setup.environment,
+            tokenizer=setup.tokenizer,
+            model_config=setup.model_config,
+            num_generations=num_generations,
+            sampling=sampling,
+            max_turns=setup.config.rollout.max_turns,
+            total_tokens=setup.config.rollout.completion_tokens,
+            prompt_width=width,
+            tools=setup.tool_schemas,
+            place=lambda x: setup.block.to_global(x, _sharding_of(setup, x)),
+            local=setup.block.local,
+        )
+
+
+def _sharding_of(setup: Setup, array: np.ndarray):
+    """Rows split like the batch: a [B] array's or a [B, T] array's sharding."""
+    return setup.rows if np.ndim(array) == 1 else setup.row_matrix
 
 
 def score(
@@ -183,22 +298,38 @@ def score(
     lengths,
     truncated,
     pool: VerifierPool | None,
+    *,
+    conversations: Sequence[list[dict[str, Any]]] | None = None,
+    model_mask: np.ndarray | None = None,
 ) -> tuple[list[Any], list[str], Scores]:
-    """Decodes each row's completion and scores it against the example it answers."""
+    """Decodes each row's completion and scores it against the example it answers. Episodes
+    (multi-turn) pass their `conversations`, the completions the rewards get (the model's
+    turns and the answers, as messages), and their `model_mask` (completion_ids: the model's
+    tokens)."""
     tokens, lengths = np.asarray(tokens), np.asarray(lengths)
-    texts = decode_completions(setup.tokenizer, tokens, lengths, np.asarray(truncated))
     prompts = [example["prompt"] for example in row_examples]
+    if conversations is None:
+        texts = decode_completions(setup.tokenizer, tokens, lengths, np.asarray(truncated))
+        completions = [as_completion(p, t) for p, t in zip(prompts, texts, strict=True)]
+    else:
+        texts = ["\n".join(f"{m['role']}: {m['content']}" for m in c) for c in conversations]
+        completions = list(conversations)
     fields = {
         key: [example.get(key) for example in row_examples]
         for key in row_examples[0]
         if key != "prompt"
     }
-    fields["completion_ids"] = [tokens[row, : lengths[row]].tolist() for row in range(len(texts))]
+    fields["completion_ids"] = [
+        tokens[row, : lengths[row]].tolist()
+        if model_mask is None
+        else tokens[row][model_mask[row]].tolist()
+        for row in range(len(texts))
+    ]
     scores = score_completions(
         setup.task.reward_fns,
         setup.task.reward_weights,
         prompts,
-        [as_completion(p, t) for p, t in zip(prompts, texts, strict=True)],
+        completions,
         fields,
         max_failure_share=setup.config.task.max_reward_failure_share,
         pool=pool,

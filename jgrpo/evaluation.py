@@ -1,5 +1,6 @@
-"""Evaluation: greedy completions of the task's eval split, scored by its reward functions
-(mean reward, and accuracy: the share whose correctness reward is 1), with a few samples."""
+"""Evaluation: greedy completions of the task's eval split (greedy episodes for multi-turn
+tasks), scored by its reward functions (mean reward, and accuracy: the share whose
+correctness reward is 1), with a few samples."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from jgrpo.collect import encode_examples, sample, score
+from jgrpo.collect import encode_examples, run_setup_episodes, sample, score
 
 if TYPE_CHECKING:
     from jgrpo.rewards.pool import VerifierPool
@@ -30,16 +31,30 @@ def evaluate_greedy(
         local = setup.block.take(padded)
         is_real = setup.block.take(np.arange(chunk)) < len(part)  # padding at the end
         rows = int(is_real.sum())
-        ids, mask = encode_examples(
-            setup.tokenizer, local, setup.prompt_widths["eval"], c.rollout.max_prompt_length
-        )
-        result = sample(setup, params, ids, mask, jax.random.key(0), setup.greedy, 1)
         # Padding rows are scored too: a reward model's scoring is a collective call
         # that every process makes, even one whose rows are all padding.
-        with setup.frozen_reward_statistics():
-            prompts, texts, scores = score(
-                setup, local, result.tokens, result.lengths, result.truncated, pool
+        if setup.environment is not None:  # multi-turn: greedy episodes, their conversations
+            episodes = run_setup_episodes(setup, params, local, jax.random.key(0), setup.greedy, 1)
+            with setup.frozen_reward_statistics():
+                prompts, texts, scores = score(
+                    setup,
+                    local,
+                    episodes.tokens,
+                    episodes.lengths,
+                    episodes.truncated,
+                    pool,
+                    conversations=episodes.conversations,
+                    model_mask=episodes.model_mask,
+                )
+        else:
+            ids, mask = encode_examples(
+                setup.tokenizer, local, setup.prompt_widths["eval"], c.rollout.max_prompt_length
             )
+            result = sample(setup, params, ids, mask, jax.random.key(0), setup.greedy, 1)
+            with setup.frozen_reward_statistics():
+                prompts, texts, scores = score(
+                    setup, local, result.tokens, result.lengths, result.truncated, pool
+                )
         real_rows = zip(prompts, texts, scores.total.tolist(), strict=True)
         samples.extend(list(real_rows)[:rows])
         totals.append(setup.block.gather(scores.total.astype(np.float64)))

@@ -70,6 +70,10 @@ def build_task(config: Config) -> tasks.Task:
         from jgrpo.tasks.arithmetic import addition_task
 
         task = addition_task(t.max_operand, held_out=t.held_out, seed=seed, chat=t.chat)
+    elif t.name == "lookup":
+        from jgrpo.tasks.lookup import lookup_task
+
+        task = lookup_task(t.num_examples, held_out=t.held_out, seed=seed)
     elif t.name == "json_extraction":
         from jgrpo.tasks.json_extraction import json_extraction_task
 

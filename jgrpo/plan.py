@@ -177,7 +177,7 @@ def plan_memory(setup: Setup, micro_batch_candidates: Sequence[int] = ()) -> Mem
     params, opt_state = state.params, state.opt_state
     frozen = setup.reference_arguments()  # also with kl_in_reward, where the update has none
     prompts, length = c.rollout.prompts_per_step, setup.prompt_widths["train"]
-    rows, new_tokens = prompts * c.rollout.num_generations, c.rollout.max_new_tokens
+    rows, new_tokens = prompts * c.rollout.num_generations, c.rollout.completion_tokens
 
     prompt = jax.ShapeDtypeStruct((prompts, length), jnp.int32, sharding=setup.row_matrix)
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=replicated(mesh))

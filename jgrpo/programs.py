@@ -98,10 +98,10 @@ class Programs:
 
     def batch_arguments(self, width: int | None = None, packed_rows: int | None = None) -> Batch:
         """The batch `to_batch` makes as ShapeDtypeStructs: prompts_per_step x G rows of
-        the train prompts' width + `width` tokens (None: max_new_tokens), packed into
+        the train prompts' width + `width` tokens (None: `completion_tokens`), packed into
         `packed_rows` per group with `algorithm.pack_completions` (None: G)."""
         r = self.config.rollout
-        width = r.max_new_tokens if width is None else width
+        width = r.completion_tokens if width is None else width
         prompts, rows = r.prompts_per_step, r.prompts_per_step * r.num_generations
         tokens = self.prompt_widths["train"] + width
         packed = None
@@ -151,11 +151,11 @@ class Programs:
         self, width: int | None = None, packed_rows: int | None = None
     ) -> jax.stages.Compiled:
         """The update compiled for this run's batch of `width` completion columns (None:
-        max_new_tokens) and `packed_rows` per group (None: G, or no packing): waits for
+        `completion_tokens`) and `packed_rows` per group (None: G, or no packing): waits for
         `compile_update_ahead` (started here if it was not) and raises what its compilation
         raised."""
         self.compile_update_ahead()
-        width = self.config.rollout.max_new_tokens if width is None else width
+        width = self.config.rollout.completion_tokens if width is None else width
         if self.config.algorithm.pack_completions and packed_rows is None:
             packed_rows = self.group_size
         return self._update_compiling[width, packed_rows].result()

@@ -15,7 +15,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -38,6 +38,7 @@ from jgrpo.sharding import (
     rules_context,
     tree_shardings,
 )
+from jgrpo.tools import Environment, ToolEnvironment, tool_format, tool_schemas
 from jgrpo.update import Batch, TrainState, UpdateConfig, init_state, make_optimizer
 
 logger = logging.getLogger("jgrpo.train")
@@ -107,7 +108,7 @@ def update_config_of(config: Config, *, beta_in_loss: float, batch_shards: int =
         matmul_dtype=config.model.matmul_dtype,
         keep_logits_mib=config.model.keep_logits_mib,
         # dr_grpo divides by the length limit, not by a trimmed batch's width
-        max_completion_length=config.rollout.max_new_tokens,
+        max_completion_length=config.rollout.completion_tokens,
     )
     return UpdateConfig(**settings)
 
@@ -190,6 +191,11 @@ class Setup(Programs):
         self.model, self.tokenizer = load_policy(config, self.task, self.mesh)
         self.model_config = self.model.config
         self.check_prompts()
+        self.environment = self.episode_environment()  # None: single-turn
+        self.tool_schemas = tool_schemas(self.task.tools) if self.task.tools else None
+        if self.environment is not None:  # rendered with the tools' schemas, at run time
+            width = config.rollout.max_prompt_length
+            self.prompt_widths = {"train": width, "eval": width}
         self.group_size = config.rollout.num_generations
         r = config.rollout
         self.sampling = SamplingConfig(
@@ -215,7 +221,7 @@ class Setup(Programs):
             )
         self.greedy = dataclasses.replace(self.sampling, temperature=0.0, top_p=1.0, top_k=0)
         algo = config.algorithm
-        self.completion_widths = completion_widths(r.max_new_tokens, algo.completion_buckets)
+        self.completion_widths = completion_widths(r.completion_tokens, algo.completion_buckets)
         self.kl_weight_in_reward = algo.beta if algo.kl_in_reward else 0.0
         batch_shards = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
         self.update_config = update_config_of(
@@ -244,6 +250,31 @@ class Setup(Programs):
         self.reward_model = None  # a ModelReward among the task's reward functions
         if config.reward_model.path is not None:
             self.add_reward_model()
+
+    def episode_environment(self) -> Callable[[], Environment] | None:
+        """Multi-turn tasks (tools or an environment): what makes each episode's environment;
+        None for single-turn ones. ConfigError when rollout.max_turns does not match."""
+        task, turns = self.task, self.config.rollout.max_turns
+        multi_turn = bool(task.tools) or task.environment is not None
+        if multi_turn and turns < 2:
+            raise ConfigError(
+                f"task {task.name!r} gives tools or an environment, which answer the model's "
+                "turns: set rollout.max_turns >= 2 (e.g. 4)."
+            )
+        if not multi_turn and turns > 1:
+            raise ConfigError(
+                f"rollout.max_turns={turns} needs a task with tools or an environment to answer "
+                f"the model's turns; task {task.name!r} has neither: set rollout.max_turns=1."
+            )
+        if not multi_turn:
+            return None
+        if task.environment is not None:
+            return task.environment
+        tools, model_type = list(task.tools), self.model_config.model_type
+        tool_format(model_type)  # a family without a tool-call parser fails here
+        return lambda: ToolEnvironment(
+            tools, model_type, timeout_s=self.config.task.reward_timeout_s
+        )
 
     def add_reward_model(self) -> None:
         """The config's reward model as one more reward function of the task, on the mesh."""

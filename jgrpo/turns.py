@@ -200,6 +200,9 @@ def append_context(
 class Episodes:
     """A multi-turn rollout's rows (host arrays of this process's rows, prompt-major)."""
 
+    prompt_ids: np.ndarray  # int32[P, L]: each group's rendered prompt, left-padded
+    prompt_mask: np.ndarray  # int32[P, L]
+
     tokens: np.ndarray  # int32[R, T]: turns and context
     mask: np.ndarray  # bool[R, T]: every written token
     model_mask: np.ndarray  # bool[R, T]: the model's own tokens
@@ -251,7 +254,7 @@ def run_episodes(
     examples: Sequence[Mapping[str, Any]],
     key: jax.Array,
     *,
-    environment: Environment,
+    new_environment: Callable[[], Environment],
     tokenizer,
     model_config: ModelConfig,
     num_generations: int,
@@ -264,12 +267,17 @@ def run_episodes(
     local: Callable[[jax.Array], np.ndarray] = np.asarray,
 ) -> Episodes:
     """P x G episodes of `examples` (rows prompt-major), up to `max_turns` model turns and
-    `total_tokens` tokens of turns and context each. `place` puts a host array of this
-    process's rows on the devices and `local` reads them back (a `RowBlock`'s, on a mesh)."""
+    `total_tokens` tokens of turns and context each; each episode gets its own environment
+    from `new_environment()`, and a group's prompt is its first episode's `reset` messages,
+    rendered with the `tools` schemas and left-padded to `prompt_width` columns. `place` puts a
+    host array of this process's rows on the devices and `local` reads them back (a
+    `RowBlock`'s, on a mesh)."""
     from jgrpo.generation import pad_prompts
 
     g = num_generations
-    first = [environment.reset(example) for example in examples]
+    environments = [new_environment() for _ in range(len(examples) * g)]
+    starts = [environments[row].reset(examples[row // g]) for row in range(len(environments))]
+    first = starts[::g]
     prompt_ids = [
         tokenizer(
             tokenizer.apply_chat_template(
@@ -279,14 +287,21 @@ def run_episodes(
         )["input_ids"]
         for messages in first
     ]
-    ids, prompt_mask = pad_prompts(prompt_ids, buckets=(max(prompt_width, *map(len, prompt_ids)),))
+    for example, ids in zip(examples, prompt_ids, strict=True):
+        if len(ids) > prompt_width:
+            raise ValueError(
+                f"the prompt of {example['prompt']!r} is {len(ids)} tokens with the tools' "
+                f"schemas, more than rollout.max_prompt_length={prompt_width}; raise it "
+                "(nothing is truncated)."
+            )
+    ids, prompt_mask = pad_prompts(prompt_ids, buckets=(prompt_width,))
     prompt_mask_global = place(prompt_mask)
     statics = dict(model_config=model_config, num_generations=g, sampling=sampling)
     state = start_turns(
         params, place(ids), prompt_mask_global, key, total_tokens=total_tokens, **statics
     )
     rows = len(examples) * g
-    history = [list(first[row // g]) for row in range(rows)]
+    history = [list(messages) for messages in starts]
     completions: list[list[dict[str, Any]]] = [[] for _ in range(rows)]
     turn_start = np.zeros(rows, np.int64)  # where each row's current turn begins
     turns, calls, errors = (np.zeros(rows, np.int32) for _ in range(3))
@@ -311,7 +326,7 @@ def run_episodes(
             if stop is None:  # hit max_new_tokens, or filled its area, mid-turn
                 out_of_tokens[row] = True
                 continue
-            answer = environment.step([*history[row], message])
+            answer = environments[row].step([*history[row], message])
             calls[row] += answer.tool_calls
             errors[row] += answer.tool_errors
             if answer.done:
@@ -343,6 +358,8 @@ def run_episodes(
     total = state["tokens"].shape[1]
     mask = np.arange(total)[None] < written[:, None]
     return Episodes(
+        prompt_ids=ids,
+        prompt_mask=prompt_mask,
         tokens=local(state["tokens"]),
         mask=mask,
         model_mask=local(state["model_mask"]) & mask,

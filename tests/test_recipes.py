@@ -47,6 +47,15 @@ def test_gsm8k_recipe_runs_on_local_rows(tmp_path):
     assert {"reward/correct/mean", "reward/format/mean", "eval/accuracy"} <= lines[-1].keys()
 
 
+def test_the_multi_turn_demo_recipe_runs_episodes(tmp_path):
+    lines = smoke("tool-demo.yaml", tmp_path)
+    assert [line["step"] for line in lines] == [1, 2]
+    for line in lines:
+        assert 1 <= line["turns/mean"] <= 2 and 0 <= line["tools/calls_per_completion"] <= 1
+        assert "reward/lookup/mean" in line
+    assert "eval/accuracy" in lines[-1]  # smoke evaluates at step 2
+
+
 def test_a_jsonl_task_from_the_config(tmp_path):
     rows = [{"question": f"What is {n} + 1?", "answer": str(n + 1)} for n in range(6)]
     path = tmp_path / "mine.jsonl"

@@ -53,6 +53,6 @@ def test_char_tokenizer_round_trips_and_prepends_bos():
 
 def test_unknown_task_names_the_known_ones():
     with pytest.raises(
-        ValueError, match="built-in tasks: addition, json_extraction, gsm8k, jsonl, tfds"
+        ValueError, match="built-in tasks: addition, lookup, json_extraction, gsm8k, jsonl, tfds"
     ):
         tasks.get_task("gsm9k")

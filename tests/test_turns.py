@@ -57,14 +57,14 @@ def episodes(char_model, *, max_turns=4, total_tokens=96, max_new_tokens=12, tur
         model.params(),
         [{"prompt": prompt} for prompt in PROMPTS],
         jax.random.key(key),
-        environment=Counter(turns),
+        new_environment=lambda: Counter(turns),
         tokenizer=tokenizer,
         model_config=model.config,
         num_generations=3,
         sampling=sampling,
         max_turns=max_turns,
         total_tokens=total_tokens,
-        prompt_width=16,
+        prompt_width=24,
     )
 
 
@@ -215,4 +215,99 @@ def test_the_update_trains_the_models_tokens_with_the_tool_tokens_as_fixed_conte
         lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
         multi_state.params,
         single_state.params,
+    )
+
+
+LOOKUP = [
+    "task.name=lookup",
+    "task.num_examples=64",
+    "rollout.prompts_per_step=4",
+    "rollout.num_generations=4",
+    "rollout.max_turns=2",
+    "rollout.max_new_tokens=3",
+    "rollout.max_total_tokens=12",
+    "rollout.max_prompt_length=8",
+    "algorithm.beta=0.04",
+    "optim.lr=1e-3",
+    "train.steps=3",
+    "train.eval_every=1",
+    "task.eval_size=4",
+    "train.export=false",
+    "train.progress=false",
+    "train.tensorboard=false",
+    "task.reward_workers=0",
+    "mesh.devices=1",
+]
+
+
+def test_a_multi_turn_task_trains_on_its_episodes(tmp_path, count_compiles):
+    """The lookup demo's task through the trainer: episodes collected with its environment,
+    the update trained on the model's tokens only, the episode metrics logged, greedy
+    episodes evaluated; nothing compiles after step 1."""
+    from jgrpo import train as train_module
+    from jgrpo.config import load_config
+    from jgrpo.metrics import read_metrics
+
+    config = load_config(None, [*LOOKUP, f"train.run_dir={tmp_path}"])
+    trainer = train_module.Trainer(config)
+    params = trainer.initial_params()
+    groups, metrics, _ = trainer.collect(params, None, jax.random.key(0), 0)
+    context = groups.mask & ~groups.model_mask
+    looked_up = [text.count("tool: ") for text in groups.texts]
+    # rows whose first turn was "?" got the value as context; the others have none
+    np.testing.assert_array_equal(context.any(1), np.array(looked_up) > 0)
+    batch = trainer.to_batch(groups, np.ones(16, np.float32))
+    np.testing.assert_array_equal(np.asarray(batch.completion_mask), groups.model_mask)
+    prompt_width = groups.prompt_ids.shape[1]
+    np.testing.assert_array_equal(
+        np.asarray(batch.attention_mask)[:, prompt_width:], groups.mask.astype(np.int32)
+    )
+    assert metrics["tools/calls_per_completion"] == pytest.approx(np.mean(looked_up))
+    compiles = {}
+    train_module.train(config, on_step=lambda step, _: compiles.update({step: count_compiles()}))
+    assert compiles[3] == compiles[1]
+    lines = read_metrics(tmp_path)
+    for name in (
+        "turns/mean",
+        "tools/calls_per_completion",
+        "tools/errors",
+        "truncated/turns",
+        "truncated/tokens",
+        "model_tokens/mean",
+        "reward/lookup/mean",
+        "eval/accuracy",
+    ):
+        assert all(name in line for line in lines), name
+    assert all(1 <= line["turns/mean"] <= 2 for line in lines)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["task.name=addition", "rollout.max_turns=2"],
+            "needs a task with tools or an environment",
+        ),
+        (["rollout.max_turns=1"], "gives tools or an environment, which answer the model's turns"),
+    ],
+)
+def test_turn_settings_must_match_the_task(tmp_path, overrides, message):
+    from jgrpo.config import ConfigError, load_config
+    from jgrpo.setup import Setup
+
+    with pytest.raises(ConfigError, match=message):
+        Setup(load_config(None, [*LOOKUP, f"train.run_dir={tmp_path}", *overrides]))
+
+
+def test_multi_turn_episodes_decode_every_row_at_once():
+    from jgrpo.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="multi-turn episodes .* decode every row at once"):
+        load_config(None, ["rollout.max_turns=2", "rollout.max_concurrent=4"])
+    assert load_config(None, ["rollout.max_turns=3"]).rollout.completion_tokens == 3 * 128
+    assert (
+        load_config(
+            None, ["rollout.max_turns=3", "rollout.max_total_tokens=200"]
+        ).rollout.completion_tokens
+        == 200
     )

@@ -33,11 +33,29 @@ class RolloutSection:
         "sequences decoding at once: when one stops, the step's next waiting sequence takes "
         "its slot (on device); 0 = every sequence of the step at once",
     )
+    max_turns: int = option(
+        1,
+        "model turns per episode when the task gives tools or an environment (each answered "
+        "by them as context); 1 = single-turn",
+    )
+    max_total_tokens: int = option(
+        0,
+        "multi-turn: an episode's tokens after the prompt, the model's turns (each at most "
+        "max_new_tokens) and the answers between them; 0 = max_turns x max_new_tokens",
+    )
     kv_cache_mib: float | None = option(
         None,
         "KV cache per device (prompts + completion slots): chooses max_concurrent, the most "
         "slots that fit; None = no budget",
     )
+
+    @property
+    def completion_tokens(self) -> int:
+        """The tokens after the prompt that a row can hold: max_new_tokens, or for multi-turn
+        episodes max_total_tokens (turns and answers)."""
+        if self.max_turns == 1:
+            return self.max_new_tokens
+        return self.max_total_tokens or self.max_turns * self.max_new_tokens
 
     def check(self):
         check_dtype("rollout.weights_dtype", self.weights_dtype)
@@ -54,6 +72,16 @@ class RolloutSection:
         for name in ("prompts_per_step", "max_new_tokens", "max_prompt_length"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"rollout.{name} must be >= 1, got {getattr(self, name)}.")
+        if self.max_turns < 1 or self.max_total_tokens < 0:
+            raise ConfigError(
+                f"rollout.max_turns must be >= 1 and rollout.max_total_tokens >= 0 (0: "
+                f"max_turns x max_new_tokens); got {self.max_turns}, {self.max_total_tokens}."
+            )
+        if self.max_turns > 1 and (self.max_concurrent or self.kv_cache_mib is not None):
+            raise ConfigError(
+                "multi-turn episodes (rollout.max_turns > 1) decode every row at once: set "
+                "rollout.max_concurrent=0 and rollout.kv_cache_mib=null."
+            )
         if self.max_concurrent < 0:
             raise ConfigError(
                 f"rollout.max_concurrent must be >= 0 (0 = every sequence at once), got "

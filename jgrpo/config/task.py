@@ -7,14 +7,17 @@ import dataclasses
 from jgrpo._checks import check_choice
 from jgrpo.config.fields import ConfigError, option
 
-TASKS = ("addition", "json_extraction", "gsm8k", "jsonl", "tfds")
+TASKS = ("addition", "lookup", "json_extraction", "gsm8k", "jsonl", "tfds")
 
 
 @dataclasses.dataclass(frozen=True)
 class TaskSection:
     """The data, its eval split and the reward functions (see docs/training.md)."""
 
-    name: str = option("addition", "addition (the demo), json_extraction, gsm8k, jsonl or tfds")
+    name: str = option(
+        "addition",
+        "addition (the demo), lookup (the multi-turn demo), json_extraction, gsm8k, jsonl or tfds",
+    )
     dataset: str | None = option(None, "tfds: the TFDS dataset name")
     path: str | None = option(None, "jsonl: the data file; gsm8k: a folder of <split>.jsonl")
     eval_path: str | None = option(None, "jsonl: a separate eval file")
@@ -33,7 +36,7 @@ class TaskSection:
     on_error: str = option("reject", "malformed rows or too-long prompts: reject or skip")
     chat: bool = option(False, "addition / json_extraction / jsonl / tfds: as chat messages")
     max_operand: int = option(9, "addition: operands go from 0 to this")
-    num_examples: int = option(2000, "json_extraction: examples generated")
+    num_examples: int = option(2000, "json_extraction / lookup: examples generated")
     held_out: int = option(0, "examples kept out of training for eval (0: the task's eval split)")
     eval_size: int = option(0, "evaluate on the first N eval examples (0 = all)")
     max_reward_failure_share: float = option(

@@ -15,10 +15,11 @@ from jgrpo.tasks.base import Task, take
 
 def get_task(name: str, **options: Any) -> Task:
     """A built-in task by name, built with `options` (the builder's keyword arguments)."""
-    from jgrpo.tasks import arithmetic, datasets, gsm8k, json_extraction
+    from jgrpo.tasks import arithmetic, datasets, gsm8k, json_extraction, lookup
 
     builders = {
         "addition": arithmetic.addition_task,
+        "lookup": lookup.lookup_task,
         "json_extraction": json_extraction.json_extraction_task,
         "gsm8k": gsm8k.gsm8k_task,
         "jsonl": datasets.jsonl_task,

@@ -4,7 +4,7 @@ order in which a run draws its examples; the task modules build on these."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -29,6 +29,10 @@ class Task:
     reward_weights: dict[str, float]
     correctness: str  # the reward that is 1.0 exactly when the answer is right (accuracy)
     tokenizer: Any = None  # a task that brings its own (the demo); else the model's is used
+    # Multi-turn episodes (rollout.max_turns > 1): tools the model may call (typed, documented
+    # functions; `jgrpo.tools`), or an environment factory, called once per episode.
+    tools: Sequence[Callable] = ()
+    environment: Callable[[], Any] | None = None
 
     def __post_init__(self):
         if not self.train:
