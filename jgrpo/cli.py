@@ -23,6 +23,7 @@ from jgrpo.config import (
 from jgrpo.lifecycle import RunDirInUse, TrainingDiverged, in_main_thread
 from jgrpo.rewards.registry import RewardSpecError
 from jgrpo.tasks.datasets import DatasetError
+from jgrpo.tools import ToolFormatError
 
 logger = logging.getLogger("jgrpo.train")
 
@@ -90,7 +91,13 @@ def main(argv: Sequence[str] | None, run: Callable[[Config], Any]) -> int:
         return 1
     # Found as the hosts connect and the data and the model load (ConnectionError: a data or
     # model source offline; each message names the fix).
-    except (ConfigError, DatasetError, distributed.DistributedError, ConnectionError) as error:
+    except (
+        ConfigError,
+        DatasetError,
+        ToolFormatError,
+        distributed.DistributedError,
+        ConnectionError,
+    ) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     except RewardSpecError as error:

@@ -112,6 +112,10 @@ def build_task(config: Config) -> tasks.Task:
                 data_dir=t.data_dir,
                 **options,
             )
+    if t.tools is not None:
+        from jgrpo.tools import parse_tool_spec
+
+        task.tools = parse_tool_spec(t.tools)
     if t.rewards is not None and t.name not in ("jsonl", "tfds"):
         from jgrpo.rewards.registry import parse_reward_spec
 

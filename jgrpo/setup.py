@@ -196,6 +196,11 @@ class Setup(Programs):
         if self.environment is not None:  # rendered with the tools' schemas, at run time
             width = config.rollout.max_prompt_length
             self.prompt_widths = {"train": width, "eval": width}
+            logger.info(
+                "multi-turn episodes: prompts are left-padded to rollout.max_prompt_length=%d "
+                "columns (the environment's first messages with the tools' schemas)",
+                width,
+            )
         self.group_size = config.rollout.num_generations
         r = config.rollout
         self.sampling = SamplingConfig(

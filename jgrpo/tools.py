@@ -11,7 +11,9 @@ tool calls are parsed in the format of the model family's chat template (`parse_
 - Llama 3.x (model_type llama): the turn is a JSON object `{"name": ..., "parameters": {...}}`
   (optionally after `<|python_tag|>`), or several separated by `;`.
 
-`run_tool_calls` runs them, each with a timeout, and returns `tool` messages: a call that names
+`python` is a built-in tool (a program run in the code rewards' sandbox, its printed output
+returned); `parse_tool_spec` reads `task.tools` ("python, my_tools:stock_price").
+`run_tool_calls` runs calls, each with a timeout, and returns `tool` messages: a call that names
 no tool, has bad arguments, raises or times out becomes an error message to the model (counted
 in `ToolResults.errors`), never an exception of the run.
 
@@ -235,3 +237,57 @@ class ToolEnvironment:
             return EnvironmentStep([], done=True)
         results = run_tool_calls(calls, self.tools, timeout_s=self.timeout_s)
         return EnvironmentStep(results.messages, False, len(calls), results.errors)
+
+
+def python(code: str) -> str:
+    """Runs a Python program and returns what it printed.
+
+    Args:
+        code: the program's source; print what you want to see
+    """
+    from jgrpo.rewards.sandbox import run_python
+
+    result = run_python(code, timeout_s=PYTHON_TIMEOUT_S)
+    if result.timed_out:
+        return f"error: the program ran longer than {PYTHON_TIMEOUT_S:g} s"
+    if not result.ok:
+        lines = result.stderr.strip().splitlines()
+        raise RuntimeError(lines[-1] if lines else f"exit status {result.returncode}")
+    return result.stdout
+
+
+PYTHON_TIMEOUT_S = 5.0  # the sandbox kills a program that runs longer
+
+
+def builtin_tools() -> dict[str, Callable]:
+    """Every built-in tool by its config name (`task.tools`)."""
+    return {"python": python}
+
+
+def parse_tool_spec(spec: str) -> list[Callable]:
+    """'python, my_tools:stock_price' -> the tools: built-in names, or your own functions by
+    import path `module:function` (found in the current directory or on PYTHONPATH)."""
+    from jgrpo.rewards.registry import RewardSpecError, _import_reward
+
+    known, tools = builtin_tools(), []
+    for part in (p.strip() for p in spec.split(",")):
+        if not part:
+            continue
+        if part in known:
+            tools.append(known[part])
+            continue
+        if ":" not in part:
+            raise ToolFormatError(
+                f"unknown tool {part!r} in task.tools={spec!r}; built-in tools: "
+                f"{', '.join(known)}; or your own function as module:function."
+            )
+        try:
+            tools.append(_import_reward(part, what="tool")[1])
+        except RewardSpecError as error:
+            raise ToolFormatError(f"task.tools: {error}") from None
+    if not tools:
+        raise ToolFormatError(f"task.tools={spec!r} names no tool; e.g. 'python'.")
+    names = [tool.__name__ for tool in tools]
+    if len(set(names)) < len(names):
+        raise ToolFormatError(f"task.tools={spec!r} names two tools alike: {names}.")
+    return tools

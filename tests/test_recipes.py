@@ -56,6 +56,19 @@ def test_the_multi_turn_demo_recipe_runs_episodes(tmp_path):
     assert "eval/accuracy" in lines[-1]  # smoke evaluates at step 2
 
 
+def test_the_gsm8k_tools_recipe_runs_episodes_with_the_python_tool(tmp_path):
+    data = ROOT / "tests" / "data" / "gsm8k"
+    lines = smoke(
+        "gsm8k-tools-qwen2.5-0.5b.yaml",
+        tmp_path,
+        f"task.path={data}",
+        "rollout.max_total_tokens=32",  # the smoke model's turns are 8 tokens
+        "rollout.max_prompt_length=1024",  # system prompt and question, a token per character
+    )
+    assert [line["step"] for line in lines] == [1, 2]
+    assert all("turns/mean" in line and "reward/correct/mean" in line for line in lines)
+
+
 def test_a_jsonl_task_from_the_config(tmp_path):
     rows = [{"question": f"What is {n} + 1?", "answer": str(n + 1)} for n in range(6)]
     path = tmp_path / "mine.jsonl"

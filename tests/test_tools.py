@@ -5,11 +5,14 @@ import time
 
 import pytest
 
+from jgrpo import tools as tools_module
 from jgrpo.tools import (
     ToolCall,
     ToolEnvironment,
     ToolFormatError,
     parse_tool_calls,
+    parse_tool_spec,
+    python,
     run_tool_calls,
     tool_format,
     tool_schemas,
@@ -140,3 +143,39 @@ def test_the_tool_environment_answers_calls_and_ends_on_a_plain_answer():
     assert turn.messages == [{"role": "tool", "name": "lookup", "content": "36"}]
     answer = env.step([*messages, {"role": "assistant", "content": "Ada is 36."}])
     assert answer.done and answer.messages == [] and answer.tool_calls == 0
+
+
+def test_the_python_tool_runs_programs_in_the_sandbox(monkeypatch):
+    """Printed output comes back; an exception or a timeout becomes an error message."""
+    calls = [
+        ToolCall("python", {"code": "print(sum(range(10)))"}),
+        ToolCall("python", {"code": "print(1 / 0)"}),
+        ToolCall("python", {"code": "import time\ntime.sleep(30)"}),
+    ]
+    monkeypatch.setattr(tools_module, "PYTHON_TIMEOUT_S", 1.0)
+    results = run_tool_calls(calls, {"python": python}, timeout_s=20)
+    contents = [message["content"] for message in results.messages]
+    assert contents[0] == "45\n"
+    assert contents[1] == "error: python raised RuntimeError: ZeroDivisionError: division by zero"
+    assert contents[2] == "error: the program ran longer than 1 s"
+    assert results.errors == 2
+    (schema,) = tool_schemas([python])
+    assert schema["function"]["parameters"]["required"] == ["code"]
+
+
+def test_tool_specs_name_built_in_tools_or_import_paths(tmp_path, monkeypatch):
+    (tmp_path / "my_tools.py").write_text(
+        "def stock_price(symbol: str) -> float:\n"
+        '    """The last price.\n\n    Args:\n        symbol: the ticker\n    """\n'
+        "    return 12.5\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    tools = parse_tool_spec("python, my_tools:stock_price")
+    assert [tool.__name__ for tool in tools] == ["python", "stock_price"]
+    with pytest.raises(ToolFormatError, match="unknown tool 'calculator'.*built-in tools: python"):
+        parse_tool_spec("calculator")
+    with pytest.raises(ToolFormatError, match="tool 'my_tools:nothing'.*has no 'nothing'"):
+        parse_tool_spec("my_tools:nothing")
+    with pytest.raises(ToolFormatError, match="names two tools alike"):
+        parse_tool_spec("python, python")

@@ -33,6 +33,11 @@ class TaskSection:
         "'name:weight,...' of built-in rewards or your own module:function[:weight]; None: the "
         "task's own (jsonl, tfds: required)",
     )
+    tools: str | None = option(
+        None,
+        "tools the model may call in multi-turn episodes (rollout.max_turns >= 2): built-in "
+        "python, or your own module:function, comma-separated; None: the task's own",
+    )
     on_error: str = option("reject", "malformed rows or too-long prompts: reject or skip")
     chat: bool = option(False, "addition / json_extraction / jsonl / tfds: as chat messages")
     max_operand: int = option(9, "addition: operands go from 0 to this")

@@ -96,9 +96,10 @@ def _is_number(text: str) -> bool:
         return False
 
 
-def _import_reward(path: str) -> tuple[str, RewardFn]:
+def _import_reward(path: str, what: str = "reward") -> tuple[str, RewardFn]:
     """'module:function' -> (function's name, function), the module imported as `python -m`
-    would: with the current directory on sys.path (the reward workers get the same path)."""
+    would: with the current directory on sys.path (the reward workers get the same path).
+    `what` names it in the errors (a reward, a tool)."""
     module_name, _, attribute = path.partition(":")
     if not ({"", os.getcwd()} & set(sys.path)):
         sys.path.insert(0, os.getcwd())
@@ -106,18 +107,22 @@ def _import_reward(path: str) -> tuple[str, RewardFn]:
         module = importlib.import_module(module_name)
     except Exception as error:  # noqa: BLE001 (a user's module may raise anything as it loads)
         raise RewardSpecError(
-            f"reward {path!r}: cannot import {module_name!r} ({type(error).__name__}: {error}); "
+            f"{what} {path!r}: cannot import {module_name!r} ({type(error).__name__}: {error}); "
             f"put {module_name.replace('.', '/')}.py in the current directory or on PYTHONPATH."
         ) from None
     function = getattr(module, attribute, None)
     if function is None:
         raise RewardSpecError(
-            f"reward {path!r}: module {module_name!r} ({module.__file__}) has no {attribute!r}; "
+            f"{what} {path!r}: module {module_name!r} ({module.__file__}) has no {attribute!r}; "
             "name a function defined there."
         )
     if not callable(function):
         raise RewardSpecError(
-            f"reward {path!r} is a {type(function).__name__}, not a function; name a function "
-            "fn(prompts, completions, **fields) -> list[float | None]."
+            f"{what} {path!r} is a {type(function).__name__}, not a function; name a function"
+            + (
+                " fn(prompts, completions, **fields) -> list[float | None]."
+                if what == "reward"
+                else "."
+            )
         )
     return attribute, function
