@@ -144,17 +144,7 @@ def sample_and_score(
     tokens, lengths = np.asarray(host.tokens), np.asarray(host.lengths)
     rows_examples = [example for example in examples for _ in range(g)]
     prompts, texts, scores = score(setup, rows_examples, tokens, lengths, host.truncated, pool)
-    rewards = scores.total.copy()
-    per_function = dict(scores.per_function)
-    if c.algorithm.overlong_buffer:
-        penalty = overlong_penalty(
-            lengths,
-            c.rollout.completion_tokens,
-            c.algorithm.overlong_buffer,
-            c.algorithm.overlong_penalty,
-        )
-        rewards += penalty
-        per_function["overlong"] = penalty
+    rewards, per_function = rewards_with_penalties(setup, scores, lengths)
     timings["time/reward"] = time.perf_counter() - start
 
     repeat = lambda x: np.repeat(x, g, axis=0)  # noqa: E731
@@ -175,6 +165,41 @@ def sample_and_score(
     add_kl_to_rewards(setup, groups, np.asarray(host.logprobs), ref_params, timings)
     timings["reward_failures"] = sum(scores.failures.values())
     return groups, timings
+
+
+def rewards_with_penalties(
+    setup: Setup, scores: Scores, lengths: np.ndarray
+) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """Each row's reward (f32[R]) and its parts by name: the scores, plus DAPO's overlong
+    penalty when algorithm.overlong_buffer is set (over the row's whole completion)."""
+    algo = setup.config.algorithm
+    rewards, per_function = scores.total.copy(), dict(scores.per_function)
+    if algo.overlong_buffer:
+        penalty = overlong_penalty(
+            lengths,
+            setup.config.rollout.completion_tokens,
+            algo.overlong_buffer,
+            algo.overlong_penalty,
+        )
+        rewards += penalty
+        per_function["overlong"] = penalty
+    return rewards, per_function
+
+
+def score_episodes(
+    setup: Setup, row_examples: Sequence[Mapping[str, Any]], episodes, pool: VerifierPool | None
+) -> tuple[list[Any], list[str], Scores]:
+    """`score` for multi-turn episodes: their conversations are the completions."""
+    return score(
+        setup,
+        row_examples,
+        episodes.tokens,
+        episodes.lengths,
+        episodes.truncated,
+        pool,
+        conversations=episodes.conversations,
+        model_mask=episodes.model_mask,
+    )
 
 
 def add_kl_to_rewards(setup: Setup, groups: Groups, logprobs, ref_params, timings: dict) -> None:
@@ -203,7 +228,7 @@ def sample_episodes_and_score(
 ) -> tuple[Groups, dict]:
     """`sample_and_score` for multi-turn tasks: episodes of turns and tool or environment
     answers (`jgrpo.turns`), scored on their conversations."""
-    c, g = setup.config, setup.group_size
+    g = setup.group_size
     timings = {}
     start = time.perf_counter()
     examples = setup.block.take(examples)
@@ -213,27 +238,8 @@ def sample_episodes_and_score(
 
     start = time.perf_counter()
     rows_examples = [example for example in examples for _ in range(g)]
-    prompts, texts, scores = score(
-        setup,
-        rows_examples,
-        episodes.tokens,
-        episodes.lengths,
-        episodes.truncated,
-        pool,
-        conversations=episodes.conversations,
-        model_mask=episodes.model_mask,
-    )
-    rewards = scores.total.copy()
-    per_function = dict(scores.per_function)
-    if c.algorithm.overlong_buffer:
-        penalty = overlong_penalty(
-            episodes.lengths,
-            c.rollout.completion_tokens,
-            c.algorithm.overlong_buffer,
-            c.algorithm.overlong_penalty,
-        )
-        rewards += penalty
-        per_function["overlong"] = penalty
+    prompts, texts, scores = score_episodes(setup, rows_examples, episodes, pool)
+    rewards, per_function = rewards_with_penalties(setup, scores, episodes.lengths)
     timings["time/reward"] = time.perf_counter() - start
     groups = Groups(
         prompt_ids=np.repeat(episodes.prompt_ids, g, axis=0),

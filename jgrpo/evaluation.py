@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from jgrpo.collect import encode_examples, run_setup_episodes, sample, score
+from jgrpo.collect import encode_examples, run_setup_episodes, sample, score, score_episodes
 
 if TYPE_CHECKING:
     from jgrpo.rewards.pool import VerifierPool
@@ -36,16 +36,7 @@ def evaluate_greedy(
         if setup.environment is not None:  # multi-turn: greedy episodes, their conversations
             episodes = run_setup_episodes(setup, params, local, jax.random.key(0), setup.greedy, 1)
             with setup.frozen_reward_statistics():
-                prompts, texts, scores = score(
-                    setup,
-                    local,
-                    episodes.tokens,
-                    episodes.lengths,
-                    episodes.truncated,
-                    pool,
-                    conversations=episodes.conversations,
-                    model_mask=episodes.model_mask,
-                )
+                prompts, texts, scores = score_episodes(setup, local, episodes, pool)
         else:
             ids, mask = encode_examples(
                 setup.tokenizer, local, setup.prompt_widths["eval"], c.rollout.max_prompt_length
