@@ -79,8 +79,8 @@ def start_turns(
         matmul_dtype=matmul_dtype,
     )
     logits = jnp.repeat(logits_from_hidden(params, hidden), num_generations, axis=0)  # [R, V]
-    uniform = jax.random.uniform(key, (total_tokens, rows))[0]
-    token, logprob, sampler_logprob = sample_tokens(logits, uniform, sampling)
+    uniforms = jax.random.uniform(key, (total_tokens, rows))  # token t of row r: [t, r]
+    token, logprob, sampler_logprob = sample_tokens(logits, uniforms[0], sampling)
     stops = jnp.isin(token, jnp.asarray(sampling.stop_token_ids, jnp.int32))
     tokens = jnp.full((rows, total_tokens), sampling.pad_token_id, jnp.int32)
     zeros = jnp.zeros((rows, total_tokens), jnp.float32)
@@ -96,6 +96,7 @@ def start_turns(
         active=~stops & (min(total_tokens, sampling.max_new_tokens) > 1),  # on its turn
         turn_ended=stops,  # the turn ended on a stop token
         turn_start=jnp.zeros((rows,), jnp.int32),  # where the row's current turn began
+        uniforms=uniforms,  # f32[T, R]: drawn once, read by every turn's decode
     )
 
 
@@ -104,7 +105,6 @@ def continue_turns(
     params: dict,
     state: dict,
     prompt_mask: jax.Array,  # [P, L]
-    key: jax.Array,  # the key `start_turns` got
     *,
     model_config: ModelConfig,
     num_generations: int,
@@ -119,7 +119,6 @@ def continue_turns(
     layers = decode_layers(params, model_config, matmul_dtype)
     rope = rope_tables(model_config, jnp.arange(prompt_mask.shape[1] + total))
     unembedding = unembedding_rows(params)
-    uniforms = jax.random.uniform(key, (total, rows))  # the same table as start_turns'
     stop_ids = jnp.asarray(sampling.stop_token_ids, jnp.int32)
     row_index = jnp.arange(rows)
     prompt_rows = row_index // num_generations
@@ -143,7 +142,7 @@ def continue_turns(
         index = jnp.minimum(fed + 1, total - 1)  # the token these logits predict
         draw = active & (fed + 1 >= written)  # the model's turn (no context left to feed)
         token, logprob, sampler_logprob = sample_tokens(
-            logits, uniforms[index, row_index], sampling
+            logits, state["uniforms"][index, row_index], sampling
         )
         target = jnp.where(draw, row_index, rows)  # rows that draw; the rest are dropped
         written = jnp.where(draw, written + 1, written)
@@ -221,16 +220,15 @@ class Episodes:
 def context_after_turn(
     tokenizer,
     history: Sequence[Mapping[str, Any]],
-    turn: str,
     answer: Sequence[Mapping[str, Any]],
     stop_text: str,
     tools: list[dict] | None,
 ) -> str:
     """The text to append after a model turn (whose stop token, `stop_text`, is already in the
     sequence): what the chat template renders between the turn and the next assistant turn
-    when `answer` (e.g. tool messages) follows it. The turn is rendered as a marker, so its
-    own text (empty, or repeated in the history) cannot be mistaken for the boundary."""
-    del turn  # the sequence holds the model's own tokens; the template only places the answer
+    when `answer` (e.g. tool messages) follows it. The turn is rendered as a marker (the
+    sequence holds the model's own tokens; the template only places the answer), so its text
+    (empty, or repeated in the history) cannot be mistaken for the boundary."""
     turned = [*history, {"role": "assistant", "content": _TURN_MARKER}]
     before = tokenizer.apply_chat_template(turned, tools=tools, tokenize=False)
     after = tokenizer.apply_chat_template(
@@ -309,7 +307,7 @@ def run_episodes(
     stop_ids = set(sampling.stop_token_ids)
     playing = np.ones(rows, bool)  # rows whose episode goes on
     for turn in range(max_turns):
-        state = continue_turns(params, state, prompt_mask_global, key, **statics)
+        state = continue_turns(params, state, prompt_mask_global, **statics)
         tokens, written = local(state["tokens"]), local(state["written"])
         ended = local(state["turn_ended"])
         contexts: list[list[int]] = [[] for _ in range(rows)]
@@ -335,9 +333,7 @@ def run_episodes(
                 out_of_turns[row] = True
                 continue
             stop_text = tokenizer.decode([stop], skip_special_tokens=False)
-            context = context_after_turn(
-                tokenizer, history[row], text, answer.messages, stop_text, tools
-            )
+            context = context_after_turn(tokenizer, history[row], answer.messages, stop_text, tools)
             context_ids = tokenizer(context, add_special_tokens=False)["input_ids"]
             if written[row] + len(context_ids) >= total_tokens:  # no room for the next turn
                 out_of_tokens[row] = True

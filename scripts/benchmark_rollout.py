@@ -80,6 +80,24 @@ def jgrpo_sampler(model, ids, mask, generations, new_tokens, weights_dtype="floa
     return run
 
 
+def transformers_sample(torch_model, prompt_ids, generations: int, seed: int, **options):
+    """transformers' `generate` sampling `generations` completions of each prompt (temperature
+    1, no top-k / top-p), seeded; `options` are the run's own (lengths, stops)."""
+    torch.manual_seed(seed)
+    torch_ids = torch.tensor(prompt_ids)
+    with torch.inference_mode():
+        return torch_model.generate(
+            torch_ids,
+            attention_mask=torch.ones_like(torch_ids),
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            num_return_sequences=generations,
+            **options,
+        )
+
+
 def ragged_lengths(rows: int, new_tokens: int, median_share: float, spread: float) -> np.ndarray:
     """int32[rows]: log-normal lengths, median median_share x new_tokens, within 1 .. N."""
     rng = np.random.default_rng(0)
@@ -114,7 +132,8 @@ def ragged(args, config, model, torch_model, prompt_ids) -> None:
     engines = {"today: every row at once": 0}
     engines[f"slots: {quarter} (KV budget 1/4)"] = quarter
     for slots in args.slots or [rows // 2, rows // 8, rows // 16]:
-        engines[f"slots: {slots}"] = slots
+        if 0 < slots < rows:  # fewer slots than rows (0 or all rows: today's engine)
+            engines[f"slots: {slots}"] = slots
     results, latest = {}, {}
     for name, slots in engines.items():
         sampling = SamplingConfig(
@@ -158,24 +177,17 @@ def ragged(args, config, model, torch_model, prompt_ids) -> None:
             scores[stop, eos] = 0.0
             return scores
 
-    torch_ids = torch.tensor(prompt_ids)
-
     def torch_generate(seed):
-        torch.manual_seed(seed)
-        with torch.inference_mode():
-            out = torch_model.generate(
-                torch_ids,
-                attention_mask=torch.ones_like(torch_ids),
-                do_sample=True,
-                temperature=1.0,
-                top_k=0,
-                top_p=1.0,
-                num_return_sequences=args.generations,
-                max_new_tokens=new_tokens,
-                logits_processor=LogitsProcessorList([ForcedStop()]),
-                eos_token_id=eos,
-                pad_token_id=0,
-            )
+        out = transformers_sample(
+            torch_model,
+            prompt_ids,
+            args.generations,
+            seed,
+            max_new_tokens=new_tokens,
+            logits_processor=LogitsProcessorList([ForcedStop()]),
+            eos_token_id=eos,
+            pad_token_id=0,
+        )
         latest["transformers"] = out
         return out
 
@@ -273,23 +285,16 @@ def main() -> None:
         sample_bf16(0)  # compile
         bf16_seconds = median_seconds(lambda r: sample_bf16(r + 1), args.repeats)
 
-    torch_ids = torch.tensor(prompt_ids)
-
     def torch_generate(seed):
-        torch.manual_seed(seed)
-        with torch.inference_mode():
-            out = torch_model.generate(
-                torch_ids,
-                attention_mask=torch.ones_like(torch_ids),
-                do_sample=True,
-                temperature=1.0,
-                top_k=0,
-                top_p=1.0,
-                num_return_sequences=args.generations,
-                max_new_tokens=args.new_tokens,
-                min_new_tokens=args.new_tokens,
-                pad_token_id=0,
-            )
+        out = transformers_sample(
+            torch_model,
+            prompt_ids,
+            args.generations,
+            seed,
+            max_new_tokens=args.new_tokens,
+            min_new_tokens=args.new_tokens,
+            pad_token_id=0,
+        )
         assert out.shape == (rows, args.prompt_length + args.new_tokens), out.shape
         return out
 

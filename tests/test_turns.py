@@ -155,13 +155,12 @@ def test_the_context_is_what_the_template_renders_between_turns():
     tokenizer = text_tokenizer()
     history = [{"role": "user", "content": "How old is Ada?"}]
     answer = [{"role": "tool", "content": "36"}]
-    turn = "<tool_call>lookup ada</tool_call>"
     # The simple template renders no end-of-turn text: the model's stop token stays as it is.
-    assert context_after_turn(tokenizer, history, turn, answer, "</s>", None) == (
+    assert context_after_turn(tokenizer, history, answer, "</s>", None) == (
         "\ntool: 36\nassistant: "
     )
     tokenizer.chat_template = QWEN_LIKE  # <|im_end|> is the model's stop token: not repeated
-    assert context_after_turn(tokenizer, history, turn, answer, "<|im_end|>", None) == (
+    assert context_after_turn(tokenizer, history, answer, "<|im_end|>", None) == (
         "\n<|im_start|>user\n<tool_response>\n36\n</tool_response><|im_end|>\n"
         "<|im_start|>assistant\n"
     )
