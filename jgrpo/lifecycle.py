@@ -86,6 +86,7 @@ def resume(
     if checkpointer.latest_step() is None:
         return None
     c, moved = setup.config, None
+    setup.check_lora_base(checkpointer.restore_meta())  # adapters need their own base
     state, meta = checkpointer.restore(state)  # the newest intact step, checked
     step, position = int(meta["step"]), int(meta["data_position"])
     if ref_params is not None:  # a moved reference: from its checkpoint, sync on or off
@@ -230,15 +231,37 @@ class StepProfiler:
 
 
 def export(setup: Setup, params, directory: pathlib.Path) -> pathlib.Path:
-    """The trained policy as an HF checkpoint (config, safetensors, tokenizer)."""
+    """The trained policy as an HF checkpoint (config, safetensors, tokenizer) in `directory`;
+    `params` are the trained parameters. With LoRA the checkpoint holds the base with the
+    adapters merged in, and `adapter_directory(directory)` the adapters in PEFT's format
+    (`peft.PeftModel.from_pretrained(base, that directory)`). Every process calls it (the
+    parameters are gathered); the first writes."""
     from jgrpo import models
+    from jgrpo.models.lora import save_peft_adapter
 
-    setup.model.load_params(params)
+    policy = distributed.host_params(setup.policy_params(params))
+    adapters = distributed.host_params(params) if setup.lora is not None else None
+    if not distributed.is_primary():
+        return directory
+    setup.model.load_params(policy)
     models.save_pretrained(setup.model, directory)
     if getattr(setup.model, "source_dir", None) is None:
         setup.tokenizer.save_pretrained(directory)
     logger.info("exported the policy to %s", directory)
+    if adapters is not None:
+        base = setup.config.model.path
+        adapter_dir = save_peft_adapter(
+            adapter_directory(directory), adapters, setup.model_config, setup.lora, base
+        )
+        logger.info("exported the LoRA adapters (PEFT format, base %s) to %s", base, adapter_dir)
     return directory
+
+
+def adapter_directory(directory: pathlib.Path) -> pathlib.Path:
+    """Where a LoRA run's export puts its adapters: beside the merged checkpoint, with
+    `_adapter` appended to its name (RUN_DIR/hf -> RUN_DIR/hf_adapter)."""
+    directory = pathlib.Path(directory)
+    return directory.with_name(directory.name + "_adapter")
 
 
 def export_checkpoint(
@@ -254,6 +277,7 @@ def export_checkpoint(
             raise FileNotFoundError(f"{run_dir} has no checkpoint to export.")
         meta = checkpointer.restore_meta(steps[-1] if step is None else step)
         setup = Setup(from_dict(meta["config"]))
-        optimizer_state = init_state(setup.model.params(), setup.optimizer)
+        setup.check_lora_base(meta)
+        optimizer_state = init_state(setup.initial_params(), setup.optimizer)
         state, _ = checkpointer.restore(optimizer_state, step=step)
     return export(setup, state.params, pathlib.Path(out_dir))

@@ -62,6 +62,10 @@ class MemoryPlan:
     # sequences a rollout samples, and how many decode at once (rollout.max_concurrent)
     sequences: int = 0
     concurrent: int = 0
+    # LoRA: the rollout's merged copy of the model (base + adapters), made for each rollout;
+    # `parameters` and `optimizer` are then the adapters', `reference` the frozen base
+    merged_policy: int = 0
+    lora_rank: int = 0
 
     @property
     def resident(self) -> int:
@@ -69,7 +73,7 @@ class MemoryPlan:
 
     @property
     def rollout_peak(self) -> int:
-        return self.resident + self.rollout_scratch
+        return self.resident + self.merged_policy + self.rollout_scratch
 
     @property
     def update_peak(self) -> int:
@@ -90,11 +94,19 @@ class MemoryPlan:
 
     def report(self, budget: int | None = None) -> str:
         mesh = " x ".join(f"{name}={size}" for name, size in self.mesh.items())
+        lora = self.lora_rank > 0
         lines = [
             f"memory per device, mesh {mesh}:",
-            f"  parameters       {_gib(self.parameters)}",
+            f"  parameters       {_gib(self.parameters)}"
+            + (f"  (LoRA adapters, rank {self.lora_rank})" if lora else ""),
             f"  optimizer state  {_gib(self.optimizer)}",
-            f"  reference model  {_gib(self.reference)}",
+            f"  reference model  {_gib(self.reference)}"
+            + ("  (the frozen base: no copy)" if lora else ""),
+            *(
+                [f"  merged policy    {_gib(self.merged_policy)}  (for the rollout)"]
+                if lora
+                else []
+            ),
             *(
                 [
                     f"  reward model     {_gib(self.reward_model)}  "
@@ -146,12 +158,15 @@ def memory_knobs(config) -> tuple[str, ...]:
     if model.dtype != "bfloat16":
         knobs.append("model.dtype=bfloat16")
         # a bf16 model's reference is a bf16 copy already
-        if config.algorithm.beta > 0 and model.reference_dtype != "bfloat16":
+        # (with LoRA the frozen base is the reference, whatever beta)
+        if (config.algorithm.beta > 0 or model.lora_rank) and model.reference_dtype != "bfloat16":
             knobs.append("model.reference_dtype=bfloat16")
     if not model.remat:
         knobs.append("model.remat=true")
     if model.keep_logits_mib > 0:
         knobs.append("model.keep_logits_mib=0")
+    if not model.lora_rank:
+        knobs.append("model.lora_rank=16")
     return tuple(knobs)
 
 
@@ -183,7 +198,8 @@ def plan_memory(setup: Setup, micro_batch_candidates: Sequence[int] = ()) -> Mem
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=replicated(mesh))
     with rules_context(mesh):
         rollout = setup.rollout_program(setup.sampling, c.rollout.num_generations)
-        rollout_memory = rollout.lower(params, prompt, prompt, key).compile().memory_analysis()
+        policy = setup.policy_arguments()  # with LoRA, a merged copy of the model
+        rollout_memory = rollout.lower(policy, prompt, prompt, key).compile().memory_analysis()
 
     def update_scratch(update_config: UpdateConfig) -> int:
         if update_config == setup.update_config:  # compiled ahead (or now) for the run
@@ -216,6 +232,8 @@ def plan_memory(setup: Setup, micro_batch_candidates: Sequence[int] = ()) -> Mem
         knobs=memory_knobs(c),
         sequences=rows,
         concurrent=slots,
+        merged_policy=shard_bytes(policy) if setup.lora is not None else 0,
+        lora_rank=c.model.lora_rank,
     )
     plan.fits[micro_rows] = plan.update_peak
     for candidate in micro_batch_candidates:

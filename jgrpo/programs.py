@@ -61,21 +61,26 @@ class Programs:
         """`jgrpo.train_step` jitted with explicit in/out shardings, the state donated."""
         key = ("update", self.mesh, self.model_config, self.config.model.dtype, update_config)
         key += (self.config.algorithm.pack_completions,)  # the batch's shardings differ
+        key += (self.lora,)  # the adapters' tree and shardings
         return shared_program((*key, self.optimizer), lambda: self._jit_update(update_config))
 
     def _jit_update(self, update_config: UpdateConfig) -> Callable:
-        uses_ref = update_config.beta > 0
+        """(state, batch, frozen) -> (state, metrics): `frozen` is the KL reference (None when
+        beta is 0), or with LoRA the frozen base the adapters apply to (also the reference)."""
+        step = functools.partial(
+            train_step.__wrapped__,
+            model_config=self.model_config,
+            update_config=update_config,
+            optimizer=self.optimizer,
+        )
+        lora = update_config.lora_scale is not None
+        takes_frozen = update_config.beta > 0 or lora
         return jax.jit(
-            functools.partial(
-                train_step.__wrapped__,
-                model_config=self.model_config,
-                update_config=update_config,
-                optimizer=self.optimizer,
-            ),
+            (lambda state, batch, base: step(state, batch, None, base)) if lora else step,
             in_shardings=(
                 self.state_shardings,
                 self.batch_shardings,
-                self.param_shardings if uses_ref else None,  # the reference's too
+                self.model_shardings if takes_frozen else None,
             ),
             out_shardings=(self.state_shardings, replicated(self.mesh)),
             donate_argnums=0,
@@ -86,13 +91,14 @@ class Programs:
     ) -> tuple[TrainState, Batch, dict | None]:
         """The update's arguments as ShapeDtypeStructs with their shardings: the state, the
         batch `to_batch` makes (`batch_arguments`) and the reference parameters (None when
-        beta is 0)."""
-        params = abstract_arrays(jax.eval_shape(self.model.params), self.param_shardings)
+        beta is 0; with LoRA the frozen base, always)."""
+        params = abstract_arrays(self.trained_shapes(), self.param_shardings)
         opt_state = abstract_arrays(
             jax.eval_shape(self.optimizer.init, params), self.state_shardings.opt_state
         )
         step = jax.ShapeDtypeStruct((), jnp.int32, sharding=self.state_shardings.step)
-        reference = self.reference_arguments() if self.update_config.beta > 0 else None
+        takes_frozen = self.update_config.beta > 0 or self.lora is not None
+        reference = self.reference_arguments() if takes_frozen else None
         batch = self.batch_arguments(width, packed_rows)
         return TrainState(params, opt_state, step), batch, reference
 
@@ -176,7 +182,7 @@ class Programs:
                 sampling=sampling,
             ),
             in_shardings=(
-                self.param_shardings,
+                self.model_shardings,
                 self.row_matrix,
                 self.row_matrix,
                 replicated(self.mesh),
@@ -203,12 +209,17 @@ class Programs:
         return jax.jit(mix, donate_argnums=0)
 
     def reference_arguments(self) -> dict | None:
-        """`reference_params`' result as ShapeDtypeStructs in the parameters' shardings
-        (None when beta is 0; the reference exists with `kl_in_reward` too, which the update
-        does not take)."""
-        params = abstract_arrays(jax.eval_shape(self.model.params), self.param_shardings)
+        """`reference_params`' result as ShapeDtypeStructs in the model's shardings (None
+        when beta is 0; the reference exists with `kl_in_reward` too, which the update does
+        not take; with LoRA it is the frozen base)."""
+        params = abstract_arrays(self.trained_shapes(), self.param_shardings)
         reference = jax.eval_shape(self.reference_params, params)
-        return None if reference is None else abstract_arrays(reference, self.param_shardings)
+        return None if reference is None else abstract_arrays(reference, self.model_shardings)
+
+    def policy_arguments(self) -> dict:
+        """The rollout's parameters as ShapeDtypeStructs (`policy_params`' result)."""
+        params = abstract_arrays(self.trained_shapes(), self.param_shardings)
+        return abstract_arrays(jax.eval_shape(self.policy_params, params), self.model_shardings)
 
     def frozen_logprobs(self, params, batch: Batch) -> jax.Array:
         """f32[R, N] log-probs of the batch's completions under `params`, split by rows."""

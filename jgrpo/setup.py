@@ -14,6 +14,8 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
+import hashlib
+import json
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -26,6 +28,7 @@ from jgrpo.config import Config, ConfigError
 from jgrpo.generation import encode_prompts, stop_token_ids
 from jgrpo.loading import build_task, load_policy
 from jgrpo.models.group_forward import PackedCompletions
+from jgrpo.models.lora import adapter_axes, init_adapters, merge_adapters
 from jgrpo.models.transformer import with_rounded_weights
 from jgrpo.packing import packed_row_counts
 from jgrpo.programs import Programs
@@ -107,6 +110,7 @@ def update_config_of(config: Config, *, beta_in_loss: float, batch_shards: int =
         ),
         matmul_dtype=config.model.matmul_dtype,
         keep_logits_mib=config.model.keep_logits_mib,
+        lora_scale=None if config.model.lora is None else config.model.lora.scale,
         # dr_grpo divides by the length limit, not by a trimmed batch's width
         max_completion_length=config.rollout.completion_tokens,
     )
@@ -190,6 +194,7 @@ class Setup(Programs):
         self.mesh = self.make_mesh()
         self.model, self.tokenizer = load_policy(config, self.task, self.mesh)
         self.model_config = self.model.config
+        self.lora = config.model.lora  # None: full fine-tuning
         self.check_prompts()
         self.environment = self.episode_environment()  # None: single-turn
         self.tool_schemas = tool_schemas(self.task.tools) if self.task.tools else None
@@ -252,6 +257,8 @@ class Setup(Programs):
         self.update_shapes = [(w, rows) for w in self.completion_widths for rows in packed_rows]
         self.optimizer = optimizer_of(config)
         self.setup_shardings()
+        if self.lora is not None:
+            self.round_lora_base()
         self.reward_model = None  # a ModelReward among the task's reward functions
         if config.reward_model.path is not None:
             self.add_reward_model()
@@ -344,10 +351,16 @@ class Setup(Programs):
         self.batch_shardings = Batch(
             self.row_matrix, self.row_matrix, self.row_matrix, self.rows, packed, self.row_matrix
         )
-        params = self.model.params()
-        self.param_shardings = tree_shardings(
-            params, models.transformer.param_axes(self.model_config), self.mesh
+        # The model's parameters (what the rollout reads), and those the optimizer trains:
+        # the same, or with LoRA the adapters (the model's are then the frozen base's).
+        self.model_shardings = tree_shardings(
+            self.model.params(), models.transformer.param_axes(self.model_config), self.mesh
         )
+        params = self.trained_shapes()
+        self.param_shardings = self.model_shardings
+        if self.lora is not None:
+            axes = adapter_axes(self.model_config, self.lora)
+            self.param_shardings = tree_shardings(params, axes, self.mesh)
         abstract_opt = jax.eval_shape(self.optimizer.init, params)
         self.state_shardings = TrainState(
             params=self.param_shardings,
@@ -361,16 +374,35 @@ class Setup(Programs):
         self._update_compiling: dict[tuple, concurrent.futures.Future] = {}
         self.block = distributed.RowBlock(self.rows)  # the rows this process handles
 
+    def trained_shapes(self) -> dict:
+        """ShapeDtypeStructs of the parameters the optimizer trains (`initial_params`)."""
+        if self.lora is None:
+            return jax.eval_shape(self.model.params)
+        draw = functools.partial(init_adapters, self.model_config, self.lora)
+        return jax.eval_shape(draw, jax.random.key(0))
+
     def initial_params(self) -> dict:
-        """The policy's parameters, in their shards (where `load_policy` put them)."""
-        return jax.device_put(self.model.params(), self.param_shardings)  # a no-op check
+        """The parameters the optimizer trains, in their shards: the policy's (where
+        `load_policy` put them), or with LoRA fresh adapters (`init_adapters`, B = 0: the
+        policy starts as the base), drawn from train.seed."""
+        if self.lora is None:
+            return jax.device_put(self.model.params(), self.param_shardings)  # a no-op check
+        key = jax.random.fold_in(jax.random.key(self.config.train.seed), 0x10AA)
+        draw = functools.partial(init_adapters, self.model_config, self.lora)
+        return jax.jit(draw, out_shardings=self.param_shardings)(key)
 
     def reference_params(self, params: dict) -> dict | None:
         """The frozen reference of the KL penalty, from the initial `params` (None when beta
         is 0): a copy, or with model.reference_dtype=bfloat16 the parameters with their
         weight matrices and embedding table rounded to bf16 once (`with_rounded_weights`:
         half the memory but for the norms and biases; the reference pass multiplies bf16
-        operands with f32 sums). A copy either way: the update donates the state's buffers."""
+        operands with f32 sums). A copy either way: the update donates the state's buffers.
+
+        With LoRA (`params` are then the adapters) it is the frozen base, whatever beta: the
+        model's own parameters (`round_lora_base`), no copy (nothing donates them); the update
+        applies the adapters to it, and it is the KL's reference as it stands."""
+        if self.lora is not None:
+            return self.model.params()
         if self.config.algorithm.beta <= 0:
             return None
         model = self.config.model
@@ -378,6 +410,39 @@ class Setup(Programs):
             return jax.tree.map(jnp.copy, params)
         rounded = with_rounded_weights(params, jnp.bfloat16)  # new bf16 leaves, the rest shared
         return jax.tree.map(lambda x: x if x.dtype == jnp.bfloat16 else jnp.copy(x), rounded)
+
+    def round_lora_base(self) -> None:
+        """LoRA with model.reference_dtype=bfloat16: the frozen base's weight matrices and
+        embeddings rounded to bf16 in place (`with_rounded_weights`), so that only the bf16
+        base is kept; the adapters and their optimizer state stay f32."""
+        if self.config.model.reference_dtype == "float32" or self.config.model.dtype == "bfloat16":
+            return
+        with rules_context(self.mesh):
+            rounded = jax.jit(
+                functools.partial(with_rounded_weights, dtype=jnp.bfloat16),
+                out_shardings=self.model_shardings,
+            )(self.model.params())
+        self.model.load_params(rounded)
+
+    def policy_params(self, params: dict) -> dict:
+        """The policy's model parameters, what the rollout and the evaluation sample from:
+        `params`, or with LoRA the frozen base with the adapters `params` merged in
+        (`merge_adapters`: f32 kernels, bf16 with bf16 sampling), a copy made for each
+        rollout. Merged, a decode step
+        costs what the full model's does (docs/benchmarks.md measures it against unmerged
+        adapters)."""
+        if self.lora is None:
+            return params
+        return self.merged_policy(self.model.params(), params)
+
+    @functools.cached_property
+    def merged_policy(self) -> Callable[[dict, dict], dict]:
+        """(base, adapters) -> merged model parameters, in the model's shardings: f32
+        kernels, or bf16 ones when the rollout samples with bf16 weight matrices
+        (rollout.weights_dtype), which it would round them to anyway."""
+        dtype = jnp.dtype(self.config.rollout.weights_dtype)
+        merge = functools.partial(merge_adapters, scale=self.lora.scale, dtype=dtype)
+        return jax.jit(merge, out_shardings=self.model_shardings)
 
     def initial_state(self, params: dict) -> TrainState:
         """Step 0 with the optimizer state created directly in its shards."""
@@ -421,10 +486,40 @@ class Setup(Programs):
         )
 
     def meta(self) -> dict:
-        """Run state beyond the arrays that a checkpoint keeps: a reward model's statistics."""
-        if self.reward_model is None:
-            return {}
-        return {"reward_model_moments": self.reward_model.moments.state()}
+        """Run state beyond the arrays that a checkpoint keeps: a reward model's statistics,
+        and what identifies a LoRA run's frozen base (`lora_base`)."""
+        meta = {}
+        if self.reward_model is not None:
+            meta["reward_model_moments"] = self.reward_model.moments.state()
+        if self.lora is not None:
+            meta["lora_base"] = self.lora_base
+        return meta
+
+    @functools.cached_property
+    def lora_base(self) -> dict:
+        """LoRA: the frozen base a checkpoint's adapters belong to, as its checkpoints record
+        it: model.path (or the preset), and a digest of every base array's checksum (as
+        stored, after any bf16 rounding; `jgrpo.checkpoint.checksums`)."""
+        from jgrpo.checkpoint import checksums
+
+        sums = checksums(self.model.params())
+        digest = hashlib.sha256(json.dumps(sums, sort_keys=True).encode()).hexdigest()
+        model = self.config.model
+        source = model.path if model.path is not None else f"preset {model.preset}"
+        return {"model": source, "digest": digest[:16]}
+
+    def check_lora_base(self, meta: Mapping[str, Any]) -> None:
+        """ConfigError when a checkpoint's adapters were trained on another base than the one
+        this run loaded (a LoRA checkpoint holds only the adapters)."""
+        saved = meta.get("lora_base")
+        if self.lora is None or saved is None or saved["digest"] == self.lora_base["digest"]:
+            return
+        raise ConfigError(
+            f"the checkpoint's LoRA adapters were trained on {saved['model']} (base digest "
+            f"{saved['digest']}), but this run loads {self.lora_base['model']} (digest "
+            f"{self.lora_base['digest']}): set model.path (and model.reference_dtype) to the "
+            "base the run started from."
+        )
 
     def load_meta(self, meta: Mapping[str, Any]) -> None:
         """Restores what `meta()` saved (a checkpoint from before a reward model: nothing)."""

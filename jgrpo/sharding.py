@@ -41,6 +41,7 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("layers", None),
     ("length", None),
     ("head_dim", None),
+    ("lora_rank", None),  # LoRA adapters' rank: small, replicated
 )
 
 

@@ -132,7 +132,8 @@ class Trainer(Setup):
         a pure function of the seed and step."""
         started = time.perf_counter()
         key = jax.random.fold_in(jax.random.key(self.config.train.seed), step)
-        groups, metrics, position = self.collect(state.params, ref_params, key, position)
+        policy = self.policy_params(state.params)  # with LoRA: the adapters merged in
+        groups, metrics, position = self.collect(policy, ref_params, key, position)
         advantages = self.advantages(groups)
         width, packed_rows = self.update_shape(groups)
         batch = self.to_batch(groups, advantages, width, packed_rows)
@@ -140,9 +141,8 @@ class Trainer(Setup):
         update_start = time.perf_counter()
         self.compiled_update(width, packed_rows)  # compiled ahead: at first, wait for it
         with rules_context(self.mesh):
-            state, update = self.update(
-                state, batch, ref_params if self.update_config.beta > 0 else None
-            )
+            takes_frozen = self.update_config.beta > 0 or self.lora is not None
+            state, update = self.update(state, batch, ref_params if takes_frozen else None)
         metrics.update(_update_metrics(jax.device_get(update)))
         metrics["time/update"] = time.perf_counter() - update_start
         metrics["completion_width"] = width
@@ -157,8 +157,9 @@ class Trainer(Setup):
         return state, metrics, position
 
     def evaluate(self, params) -> tuple[dict[str, float], list[tuple[Any, str, float]]]:
-        """Greedy completions of the eval split, scored (`jgrpo.evaluation`)."""
-        return evaluate_greedy(self, params, self.reward_pool)
+        """Greedy completions of the eval split, scored (`jgrpo.evaluation`); `params` are
+        the trained ones (with LoRA the adapters)."""
+        return evaluate_greedy(self, self.policy_params(params), self.reward_pool)
 
 
 def _update_metrics(update: dict[str, np.ndarray]) -> dict[str, float]:
@@ -291,9 +292,7 @@ def _run(
         if trainer.reward_pool is not None:
             trainer.reward_pool.close()
     if step >= c.train.steps and c.train.export and not stopped:
-        params = distributed.host_params(state.params)  # every process takes part
-        if primary:
-            export(trainer, params, run_dir / "hf")
+        export(trainer, state.params, run_dir / "hf")
     return TrainResult(state=state, steps_done=step, run_dir=run_dir, stopped_by_signal=stopped)
 
 

@@ -38,6 +38,7 @@ from jgrpo.models.group_forward import (
     group_completion_hidden,
     packed_head_inputs,
 )
+from jgrpo.models.lora import with_adapters
 from jgrpo.models.transformer import forward, unembedding, with_matmul_weights
 from jgrpo.sharding import traced_shard_count
 
@@ -89,6 +90,7 @@ class UpdateConfig:
     sampler_correction_cap: float = 2.0  # the largest weight
     sampler_correction_mode: str = "truncate"  # "mask": weights outside [floor, cap] are 0
     sampler_correction_floor: float = 0.0  # the smallest weight: raised to it, or masked below
+    lora_scale: float | None = None  # LoRA's alpha / r: state.params are adapters on base_params
 
     def __post_init__(self):
         for name in ("num_iterations", "num_minibatches", "grad_accumulation"):
@@ -139,6 +141,8 @@ class UpdateConfig:
                 "sampler_correction_mode must be 'truncate' or 'mask', got "
                 f"{self.sampler_correction_mode!r}."
             )
+        if self.lora_scale is not None and not self.lora_scale > 0:
+            raise ValueError(f"lora_scale must be > 0 or None, got {self.lora_scale}.")
         if not 0 <= self.sampler_correction_floor <= 1:
             raise ValueError(
                 f"sampler_correction_floor must be in [0, 1], got {self.sampler_correction_floor}."
@@ -328,6 +332,7 @@ def train_step(
     state: TrainState,
     batch: Batch,
     ref_params: dict | None = None,
+    base_params: dict | None = None,
     *,
     model_config: ModelConfig,
     update_config: UpdateConfig,
@@ -343,15 +348,21 @@ def train_step(
         with_rounded_weights(params, jnp.bfloat16)`, what model.reference_dtype=bfloat16
         keeps): half the memory, and the reference pass multiplies bf16 operands with f32
         sums.
+      base_params: LoRA (update_config.lora_scale set): the frozen model that the adapters in
+        `state.params` (`jgrpo.models.lora.init_adapters`) apply to; the policy is
+        `with_adapters(base_params, state.params, lora_scale)`, only the adapters get
+        gradients and optimizer steps, and the base is the KL's reference (ref_params must
+        be None). Its weight matrices may be bf16 as ref_params' may.
       model_config: static, like update_config and optimizer: a new value compiles anew.
 
     Returns the new state and metrics, each of shape [num_iterations, num_minibatches] (so
     callers can see, for instance, the ratio move away from 1 in the second pass): `loss`,
     `ratio_mean`, `clip_frac_low`, `clip_frac_high`, `entropy`, `grad_norm`, `lr`,
-    `params_norm` (of the parameters after that step) and `kl_mean` when beta > 0. With
-    `batch.sampler_logprobs`: `sampler_gap`, the mean |old log-prob - sampler log-prob| over
-    the completion tokens; with `sampler_correction` too, `sampler_weight_mean` and
-    `sampler_capped_frac` (the share of tokens whose weight the cap cut).
+    `params_norm` (of the trained parameters after that step: the adapters with LoRA) and
+    `kl_mean` when beta > 0. With `batch.sampler_logprobs`: `sampler_gap`, the mean
+    |old log-prob - sampler log-prob| over the completion tokens; with `sampler_correction`
+    too, `sampler_weight_mean` and `sampler_capped_frac` (the share of tokens whose weight
+    the cap cut).
     """
     cfg = update_config
     rows = batch.advantages.shape[0]
@@ -366,6 +377,15 @@ def train_step(
             f"{rows // (cfg.num_minibatches * cfg.grad_accumulation)} rows of a micro-batch "
             "(whole groups in each); set it to 1 to run every row in full."
         )
+    if cfg.lora_scale is not None:
+        if base_params is None or ref_params is not None:
+            raise ValueError(
+                "LoRA (lora_scale set) needs base_params (the frozen model the adapters apply "
+                "to), which is also the KL's reference: pass no ref_params."
+            )
+        ref_params = base_params
+    elif base_params is not None:
+        raise ValueError("base_params is for LoRA: set update_config.lora_scale.")
     if cfg.beta > 0 and ref_params is None:
         raise ValueError(f"beta={cfg.beta} > 0 needs ref_params (the frozen initial weights).")
     if cfg.sampler_correction != "none" and batch.sampler_logprobs is None:
@@ -373,7 +393,13 @@ def train_step(
             f"sampler_correction={cfg.sampler_correction!r} needs batch.sampler_logprobs (the "
             "rollout's log-probs); pass them or set sampler_correction='none'."
         )
-    logprobs_of = functools.partial(
+
+    def policy(params):  # the trained parameters -> the model's parameters
+        if cfg.lora_scale is None:
+            return params
+        return with_adapters(base_params, params, cfg.lora_scale)
+
+    model_logprobs = functools.partial(
         completion_logprobs,
         model_config=model_config,
         temperature=cfg.temperature,
@@ -383,15 +409,18 @@ def train_step(
         keep_logits_mib=cfg.keep_logits_mib,
     )
 
-    def frozen_logprobs(params):
-        """Log-probs of the whole batch under fixed params, one minibatch at a time."""
+    def logprobs_of(params, part):  # the trained parameters' log-probs of a batch part
+        return model_logprobs(policy(params), part)
+
+    def frozen_logprobs(model_params):
+        """Log-probs of the whole batch under fixed parameters, one minibatch at a time."""
         parts = _split(batch, cfg.num_minibatches)
-        logprobs = jax.lax.map(lambda part: logprobs_of(params, part)[0], parts)
+        logprobs = jax.lax.map(lambda part: model_logprobs(model_params, part)[0], parts)
         return jax.lax.stop_gradient(logprobs.reshape(rows, -1))
 
     extras = {}
     if cfg.needs_old_logprobs:
-        extras["old_logprobs"] = frozen_logprobs(state.params)
+        extras["old_logprobs"] = frozen_logprobs(policy(state.params))
     if cfg.beta > 0:
         extras["ref_logprobs"] = frozen_logprobs(ref_params)
 

@@ -13,6 +13,7 @@ H heads, K kv heads, G heads per kv head, D head_dim, M mlp, V vocab, L layers.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import operator
@@ -482,6 +483,39 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return rotated.astype(x.dtype)
 
 
+@functools.partial(
+    jax.tree_util.register_dataclass, data_fields=("base", "a", "b"), meta_fields=("scale",)
+)
+@dataclasses.dataclass(frozen=True)
+class LoraKernel:
+    """A weight matrix with a low-rank adapter: base + scale * a @ b, never multiplied out.
+
+    base [*I, *O] is the frozen kernel; a [*I, r] and b [r, *O] the adapter
+    (`jgrpo.models.lora`). `project` multiplies x by the base and, apart, by a then b, so the
+    backward pass computes no gradient for the base (the product base + a b would need the
+    full [*I, *O] gradient first). It stands wherever a layer's kernel does (stacked [L, ...]
+    leaves slice per layer in the layer loop); `astype` casts all three, for mixed precision.
+    """
+
+    base: jax.Array
+    a: jax.Array
+    b: jax.Array
+    scale: float
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.base.shape
+
+    @property
+    def dtype(self):
+        return self.base.dtype
+
+    def astype(self, dtype) -> LoraKernel:
+        return LoraKernel(
+            self.base.astype(dtype), self.a.astype(dtype), self.b.astype(dtype), self.scale
+        )
+
+
 def project(x: jax.Array, kernel: jax.Array, contract: int = 1) -> jax.Array:
     """x's last `contract` axes times the kernel's first ones: [..., *I] x [*I, *O] -> [..., *O]."""
     return project_each(x, (kernel,), contract)[0]
@@ -500,7 +534,7 @@ def project_each(
     2D x once and no reshaped copy of a kernel (each would be another [L, ...] buffer in a
     scanned layer stack). A kernel in another dtype than x (bf16 weights for f32
     activations, `with_matmul_weights`) multiplies in the kernel's dtype and accumulates in
-    f32 (`mixed_matmul`).
+    f32 (`mixed_matmul`). A `LoraKernel` (LoRA) adds its adapter's product, x A then B.
     """
     inner = kernels[0].shape[:contract]
     lead = x.shape[: x.ndim - contract]
@@ -509,6 +543,11 @@ def project_each(
     dims = ((tuple(range(1, contract + 1)), tuple(range(contract))), ((), ()))
     products = []
     for kernel in kernels:
+        if isinstance(kernel, LoraKernel):  # x W + s (x A) B: [N, r] between the products
+            low_rank = project_each(x, (kernel.a,), contract)[0]  # [..., r]
+            adapted = project(low_rank * jnp.asarray(kernel.scale, low_rank.dtype), kernel.b)
+            products.append(project_each(x, (kernel.base,), contract)[0] + adapted)
+            continue
         if kernel.dtype == x.dtype:
             flat = jax.lax.dot_general(rows, kernel, dims)  # [N, *O]
         else:  # 2D operands: [N, I] x [I, O]

@@ -67,8 +67,8 @@ def test_plan_sizes_each_part_per_device():
     advice = plan.report(smaller_peak - 1).splitlines()[-1]
     assert advice == (
         "  no micro-batch fits: shard further (mesh.fsdp, mesh.tensor), use model.dtype=bfloat16, "
-        "model.reference_dtype=bfloat16, model.remat=true, model.keep_logits_mib=0, or shorter "
-        "rollout lengths"
+        "model.reference_dtype=bfloat16, model.remat=true, model.keep_logits_mib=0, "
+        "model.lora_rank=16, or shorter rollout lengths"
     )
     nothing_left = dataclasses.replace(plan, knobs=()).report(smaller_peak - 1)
     assert nothing_left.endswith(
@@ -82,19 +82,28 @@ def test_plan_sizes_each_part_per_device():
         (
             ["algorithm.beta=0.04"],
             "model.dtype=bfloat16 model.reference_dtype=bfloat16 model.remat=true "
-            "model.keep_logits_mib=0",
+            "model.keep_logits_mib=0 model.lora_rank=16",
         ),
-        ([], "model.dtype=bfloat16 model.remat=true model.keep_logits_mib=0"),  # no reference
+        # no reference
+        ([], "model.dtype=bfloat16 model.remat=true model.keep_logits_mib=0 model.lora_rank=16"),
         (
             ["algorithm.beta=0.04", "model.reference_dtype=bfloat16", "model.remat=true"],
-            "model.dtype=bfloat16 model.keep_logits_mib=0",
+            "model.dtype=bfloat16 model.keep_logits_mib=0 model.lora_rank=16",
         ),
         # a bf16 model's reference is already bf16
         (
             ["algorithm.beta=0.04", "model.dtype=bfloat16", "model.keep_logits_mib=0"],
-            "model.remat=true",
+            "model.remat=true model.lora_rank=16",
         ),
-        (["model.dtype=bfloat16", "model.remat=true", "model.keep_logits_mib=0"], ""),
+        (
+            ["model.dtype=bfloat16", "model.remat=true", "model.keep_logits_mib=0"],
+            "model.lora_rank=16",
+        ),
+        # LoRA's frozen base is the reference, with or without a KL term
+        (
+            ["model.lora_rank=8", "model.remat=true", "model.keep_logits_mib=0"],
+            "model.dtype=bfloat16 model.reference_dtype=bfloat16",
+        ),
     ],
 )
 def test_the_advice_names_only_settings_not_taken(overrides, expected):

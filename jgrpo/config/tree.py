@@ -48,6 +48,12 @@ class Config:
                 f"divide into algorithm.num_minibatches x algorithm.grad_accumulation = {parts} "
                 "equal parts; change one of them."
             )
+        if self.model.lora_rank and self.algorithm.ref_sync_steps:
+            raise ConfigError(
+                "algorithm.ref_sync_steps moves the KL reference, and with LoRA "
+                f"(model.lora_rank={self.model.lora_rank}) the reference is the frozen base "
+                "itself: set algorithm.ref_sync_steps=0, or model.lora_rank=0."
+            )
         return self
 
     @property
