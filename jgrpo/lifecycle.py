@@ -21,7 +21,7 @@ from jgrpo import distributed
 from jgrpo.checkpoint import Checkpointer
 from jgrpo.config import changed_settings
 from jgrpo.setup import Setup
-from jgrpo.update import TrainState, init_state
+from jgrpo.update import TrainState
 
 logger = logging.getLogger("jgrpo.train")
 
@@ -239,7 +239,7 @@ def export(setup: Setup, params, directory: pathlib.Path) -> pathlib.Path:
     from jgrpo import models
     from jgrpo.models.lora import save_peft_adapter
 
-    policy = distributed.host_params(setup.policy_params(params))
+    policy = distributed.host_params(setup.merged_params(params))
     adapters = distributed.host_params(params) if setup.lora is not None else None
     if not distributed.is_primary():
         return directory
@@ -278,6 +278,5 @@ def export_checkpoint(
         meta = checkpointer.restore_meta(steps[-1] if step is None else step)
         setup = Setup(from_dict(meta["config"]))
         setup.check_lora_base(meta)
-        optimizer_state = init_state(setup.initial_params(), setup.optimizer)
-        state, _ = checkpointer.restore(optimizer_state, step=step)
+        state, _ = checkpointer.restore(setup.initial_state(setup.initial_params()), step=step)
     return export(setup, state.params, pathlib.Path(out_dir))

@@ -62,9 +62,7 @@ class MemoryPlan:
     # sequences a rollout samples, and how many decode at once (rollout.max_concurrent)
     sequences: int = 0
     concurrent: int = 0
-    # LoRA: the rollout's merged copy of the model (base + adapters), made for each rollout;
-    # `parameters` and `optimizer` are then the adapters', `reference` the frozen base
-    merged_policy: int = 0
+    # LoRA: `parameters` and `optimizer` are the adapters', `reference` the frozen base
     lora_rank: int = 0
 
     @property
@@ -73,7 +71,7 @@ class MemoryPlan:
 
     @property
     def rollout_peak(self) -> int:
-        return self.resident + self.merged_policy + self.rollout_scratch
+        return self.resident + self.rollout_scratch
 
     @property
     def update_peak(self) -> int:
@@ -102,11 +100,6 @@ class MemoryPlan:
             f"  optimizer state  {_gib(self.optimizer)}",
             f"  reference model  {_gib(self.reference)}"
             + ("  (the frozen base: no copy)" if lora else ""),
-            *(
-                [f"  merged policy    {_gib(self.merged_policy)}  (for the rollout)"]
-                if lora
-                else []
-            ),
             *(
                 [
                     f"  reward model     {_gib(self.reward_model)}  "
@@ -198,7 +191,7 @@ def plan_memory(setup: Setup, micro_batch_candidates: Sequence[int] = ()) -> Mem
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=replicated(mesh))
     with rules_context(mesh):
         rollout = setup.rollout_program(setup.sampling, c.rollout.num_generations)
-        policy = setup.policy_arguments()  # with LoRA, a merged copy of the model
+        policy = setup.policy_arguments()  # with LoRA, the base and the adapters
         rollout_memory = rollout.lower(policy, prompt, prompt, key).compile().memory_analysis()
 
     def update_scratch(update_config: UpdateConfig) -> int:
@@ -232,7 +225,6 @@ def plan_memory(setup: Setup, micro_batch_candidates: Sequence[int] = ()) -> Mem
         knobs=memory_knobs(c),
         sequences=rows,
         concurrent=slots,
-        merged_policy=shard_bytes(policy) if setup.lora is not None else 0,
         lora_rank=c.model.lora_rank,
     )
     plan.fits[micro_rows] = plan.update_peak

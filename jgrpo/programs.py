@@ -168,7 +168,7 @@ class Programs:
 
     def rollout_program(self, sampling: SamplingConfig, num_generations: int) -> Callable:
         """`jgrpo.sampling.rollout` jitted with the prompts split over the batch axes."""
-        key = ("rollout", self.mesh, self.model_config, self.config.model.dtype)
+        key = ("rollout", self.mesh, self.model_config, self.config.model.dtype, self.lora)
         return shared_program(
             (*key, sampling, num_generations), lambda: self._jit_rollout(sampling, num_generations)
         )
@@ -182,7 +182,7 @@ class Programs:
                 sampling=sampling,
             ),
             in_shardings=(
-                self.model_shardings,
+                self.policy_shardings,
                 self.row_matrix,
                 self.row_matrix,
                 replicated(self.mesh),
@@ -219,7 +219,7 @@ class Programs:
     def policy_arguments(self) -> dict:
         """The rollout's parameters as ShapeDtypeStructs (`policy_params`' result)."""
         params = abstract_arrays(self.trained_shapes(), self.param_shardings)
-        return abstract_arrays(jax.eval_shape(self.policy_params, params), self.model_shardings)
+        return abstract_arrays(jax.eval_shape(self.policy_params, params), self.policy_shardings)
 
     def frozen_logprobs(self, params, batch: Batch) -> jax.Array:
         """f32[R, N] log-probs of the batch's completions under `params`, split by rows."""

@@ -28,7 +28,7 @@ from jgrpo.config import Config, ConfigError
 from jgrpo.generation import encode_prompts, stop_token_ids
 from jgrpo.loading import build_task, load_policy
 from jgrpo.models.group_forward import PackedCompletions
-from jgrpo.models.lora import adapter_axes, init_adapters, merge_adapters
+from jgrpo.models.lora import adapter_axes, init_adapters, merge_adapters, with_adapters
 from jgrpo.models.transformer import with_rounded_weights
 from jgrpo.packing import packed_row_counts
 from jgrpo.programs import Programs
@@ -426,23 +426,28 @@ class Setup(Programs):
 
     def policy_params(self, params: dict) -> dict:
         """The policy's model parameters, what the rollout and the evaluation sample from:
-        `params`, or with LoRA the frozen base with the adapters `params` merged in
-        (`merge_adapters`: f32 kernels, bf16 with bf16 sampling), a copy made for each
-        rollout. Merged, a decode step
-        costs what the full model's does (docs/benchmarks.md measures it against unmerged
-        adapters)."""
+        `params`, or with LoRA the frozen base with the adapters `params` beside it
+        (`with_adapters`: nothing copied). The rollout merges them, W + s A B, into the
+        decode layout it makes once per rollout anyway (`decode_layers`), so it decodes with
+        the full model's products and holds no merged copy besides that layout."""
         if self.lora is None:
             return params
-        return self.merged_policy(self.model.params(), params)
+        return with_adapters(self.model.params(), params, self.lora.scale)
 
     @functools.cached_property
-    def merged_policy(self) -> Callable[[dict, dict], dict]:
-        """(base, adapters) -> merged model parameters, in the model's shardings: f32
-        kernels, or bf16 ones when the rollout samples with bf16 weight matrices
-        (rollout.weights_dtype), which it would round them to anyway."""
-        dtype = jnp.dtype(self.config.rollout.weights_dtype)
-        merge = functools.partial(merge_adapters, scale=self.lora.scale, dtype=dtype)
-        return jax.jit(merge, out_shardings=self.model_shardings)
+    def policy_shardings(self):
+        """The shardings of `policy_params`' result."""
+        if self.lora is None:
+            return self.model_shardings
+        return with_adapters(self.model_shardings, self.param_shardings, self.lora.scale)
+
+    def merged_params(self, params: dict) -> dict:
+        """The policy as one model (LoRA: the base with W + s A B in f32, `merge_adapters`),
+        in the model's shardings: what the export writes."""
+        if self.lora is None:
+            return params
+        merge = functools.partial(merge_adapters, scale=self.lora.scale)
+        return jax.jit(merge, out_shardings=self.model_shardings)(self.model.params(), params)
 
     def initial_state(self, params: dict) -> TrainState:
         """Step 0 with the optimizer state created directly in its shards."""

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jgrpo.models.config import ModelConfig
 from jgrpo.models.transformer import (
     _MASKED,
+    LoraKernel,
     apply_rope,
     constrain,
     forward,
@@ -70,7 +71,9 @@ def decode_layers(params: dict, config: ModelConfig, matmul_dtype=None) -> list[
     make one product whose row blocks are q, k, v (or gate, up). Made once per rollout,
     outside the decode loop: on CPU a transposed copy of the weights, elsewhere a transpose
     that XLA folds into the products. `matmul_dtype` (bf16 sampling weights) casts the weight
-    matrices in that same pass; norm scales and biases keep their dtype.
+    matrices in that same pass; norm scales and biases keep their dtype. LoRA kernels
+    (`LoraKernel`) are merged in that pass too, W + s A B summed in f32: decoding then runs
+    the full model's products, and no merged copy of the weights exists besides this layout.
     """
 
     def rows_of(*kernels: jax.Array) -> jax.Array:  # [in, *out] each -> [sum(out), in]
@@ -78,9 +81,12 @@ def decode_layers(params: dict, config: ModelConfig, matmul_dtype=None) -> list[
         stacked = jnp.concatenate(columns, axis=1).T
         return row_major(stacked if matmul_dtype is None else stacked.astype(matmul_dtype))
 
+    def layer_value(value, i):  # a LoRA kernel merged, W + s A B, in this same pass
+        return value[i].merged() if isinstance(value, LoraKernel) else value[i]
+
     layers = []
     for i in range(config.num_layers):
-        p = {name: value[i] for name, value in params["layers"].items()}
+        p = {name: layer_value(value, i) for name, value in params["layers"].items()}
         layer = {
             "attn_norm": p["attn_norm"][:, None],  # [E, 1]
             "qkv": rows_of(p["q_kernel"], p["k_kernel"], p["v_kernel"]),  # [(H + 2K) * D, E]

@@ -515,6 +515,15 @@ class LoraKernel:
             self.base.astype(dtype), self.a.astype(dtype), self.b.astype(dtype), self.scale
         )
 
+    def __getitem__(self, layer) -> LoraKernel:
+        """One layer's kernel of a stacked [L, ...] one."""
+        return LoraKernel(self.base[layer], self.a[layer], self.b[layer], self.scale)
+
+    def merged(self) -> jax.Array:  # f32[*I, *O]
+        """W + scale * A B of one layer's kernel, summed in f32."""
+        delta = jnp.tensordot(self.a, self.b, axes=1, preferred_element_type=jnp.float32)
+        return self.base.astype(jnp.float32) + self.scale * delta
+
 
 def project(x: jax.Array, kernel: jax.Array, contract: int = 1) -> jax.Array:
     """x's last `contract` axes times the kernel's first ones: [..., *I] x [*I, *O] -> [..., *O]."""
@@ -546,7 +555,15 @@ def project_each(
         if isinstance(kernel, LoraKernel):  # x W + s (x A) B: [N, r] between the products
             low_rank = project_each(x, (kernel.a,), contract)[0]  # [..., r]
             adapted = project(low_rank * jnp.asarray(kernel.scale, low_rank.dtype), kernel.b)
-            products.append(project_each(x, (kernel.base,), contract)[0] + adapted)
+            # The frozen W by plain autodiff, even in bf16: `mixed_matmul`'s custom VJP
+            # would keep a reshaped copy of every layer's W for the backward pass.
+            base = jax.lax.dot_general(
+                rows.astype(kernel.base.dtype),
+                kernel.base,
+                dims,
+                preferred_element_type=jnp.float32,
+            ).astype(x.dtype)  # [N, *O]
+            products.append(base.reshape(*lead, *kernel.shape[contract:]) + adapted)
             continue
         if kernel.dtype == x.dtype:
             flat = jax.lax.dot_general(rows, kernel, dims)  # [N, *O]

@@ -67,6 +67,7 @@ TINY_FLAGS = {
     "--preset": "tiny",
     "--repeats": "1",
     "--steps": "1",
+    "--warmup-steps": "1",
     "--batch": "1",
     "--length": "8",
     "--prompts": "2",

@@ -37,8 +37,11 @@ def workspace(tmp_path_factory):
 
 
 # Two kernels at a time (the machine has two cores): custom_loss after quickstart, whose
-# compiled programs it reuses through the compilation cache, alongside gsm8k_qwen.
-LANES = [["quickstart.ipynb", "custom_loss.ipynb"], ["gsm8k_qwen.ipynb"]]
+# compiled programs it reuses through the compilation cache, then gsm8k_qwen with its LoRA
+# switch on, alongside gsm8k_qwen as committed.
+LANES = [["quickstart.ipynb", "custom_loss.ipynb", "gsm8k_qwen.ipynb:lora"], ["gsm8k_qwen.ipynb"]]
+# NAME:VARIANT runs NAME with one line of its code changed, as a user edits it.
+VARIANTS = {"lora": ("USE_LORA = False", "USE_LORA = True")}
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +54,12 @@ def executed(workspace) -> dict[str, nbformat.NotebookNode | Exception]:
 
     async def run(names):
         for name in names:
-            notebook = nbformat.read(COLAB / name, as_version=4)
+            file, _, variant = name.partition(":")
+            notebook = nbformat.read(COLAB / file, as_version=4)
+            if variant:
+                line, edited = VARIANTS[variant]
+                (cell,) = [cell for cell in notebook.cells if line in cell.source]
+                cell.source = cell.source.replace(line, edited)
             client = NotebookClient(
                 notebook,
                 timeout=600,
@@ -178,4 +186,19 @@ def test_gsm8k_qwen(workspace, executed):
     assert {"reward/correct/mean", "reward/format/mean", "reward/overlong/mean"} <= lines[-1].keys()
     assert float(after) == round(lines[-1]["eval/accuracy"], 3)
     assert (run_dir / "metrics.png").read_bytes()[:8] == PNG_MAGIC and images(notebook) == 1
+    assert (run_dir / "hf" / "config.json").exists()
+
+
+def test_gsm8k_qwen_with_lora(workspace, executed):
+    """USE_LORA = True: the same cells train LoRA adapters (rank 16) in their own run
+    directory, and the export holds the merged model and the PEFT adapter."""
+    notebook = executed_notebook(executed, "gsm8k_qwen.ipynb:lora")
+    text = stdout(notebook)
+    ((before, after),) = re.findall(r"accuracy before: ([\d.]+)  after: ([\d.]+)", text)
+    assert 0 <= float(before) <= 1 and 0 <= float(after) <= 1
+    run_dir = workspace / "colab" / "runs" / "gsm8k-qwen-lora"
+    lines = metric_lines(run_dir)
+    assert [line["step"] for line in lines] == [1, 2]
+    adapter = json.loads((run_dir / "hf_adapter" / "adapter_config.json").read_text())
+    assert adapter["r"] == 16 and adapter["lora_alpha"] == 32
     assert (run_dir / "hf" / "config.json").exists()
