@@ -63,6 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--memory-only", action="store_true", help="compile, do not run")
+    parser.add_argument(
+        "--lora-only", action="store_true", help="run LoRA alone (full fine-tuning too big)"
+    )
     parser.add_argument("--learning", action="store_true", help="rewards per step instead")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup-steps", type=int, default=150)
@@ -148,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         optimizer_bytes = size(jax.eval_shape(optimizer.init, trained))
         total = memory.argument_size_in_bytes + memory.temp_size_in_bytes
         seconds = ""
-        if not args.memory_only:
+        if not args.memory_only and not (args.lora_only and trained is params_shape):
             params = model_params()
             start = params if trained is params_shape else adapters_of(jax.random.key(1))
             reference = jax.tree.map(jnp.copy, params) if trained is params_shape else params
