@@ -382,6 +382,7 @@ def rollout(
     """
     prompts = prompt_ids.shape[0]
     rows, steps = prompts * num_generations, sampling.max_new_tokens
+    model_config.check_attention_length(prompt_ids.shape[1] + steps, "a rollout row")
     matmul_dtype = None
     if sampling.weights_dtype != "float32":
         matmul_dtype = jnp.dtype(sampling.weights_dtype)

@@ -66,6 +66,7 @@ def start_turns(
     `continue_turns` decodes the first turn from. A turn holds at most
     `sampling.max_new_tokens` tokens."""
     rows = prompt_ids.shape[0] * num_generations
+    model_config.check_attention_length(prompt_ids.shape[1] + total_tokens, "an episode")
     matmul_dtype = _matmul_dtype(sampling)
     if matmul_dtype is not None:
         params = with_matmul_unembedding(params, matmul_dtype)

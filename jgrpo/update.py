@@ -249,6 +249,7 @@ def completion_logprobs(
     (`jgrpo.models.transformer.mixed_matmul`). Activations, norms, attention and the softmax
     stay f32.
     """
+    model_config.check_attention_length(batch.input_ids.shape[1], "a batch row")
     if matmul_dtype != "float32":
         params = with_matmul_weights(params, jnp.dtype(matmul_dtype))
     table = unembedding(params)  # [D, V]

@@ -1,4 +1,4 @@
-"""Flax NNX decoders (Llama, Qwen2/2.5, Qwen3) with Hugging Face checkpoint import/export,
+"""Flax NNX decoders (Llama, Qwen2/2.5, Qwen3, Mistral) with Hugging Face checkpoint import/export,
 and sequence-classification reward models on the same decoder."""
 
 from jgrpo.models.config import PRESETS, Llama3RopeScaling, ModelConfig, preset

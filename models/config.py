@@ -1,4 +1,4 @@
-"""ModelConfig: one decoder description for the Llama, Qwen2/2.5 and Qwen3 families.
+"""ModelConfig: one decoder description for the Llama, Qwen2/2.5, Qwen3 and Mistral families.
 
 The families differ by switches (q/k/v bias, q/k RMSNorm, tied embeddings, Llama 3 rope
 scaling), not by code. `from_hf_config` / `to_hf_config` translate to and from a Hugging Face
@@ -12,11 +12,12 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "mistral": "MistralForCausalLM",
 }
 
 
@@ -34,7 +35,7 @@ class Llama3RopeScaling:
 class ModelConfig:
     """Shapes and switches of a decoder-only transformer (RMSNorm, RoPE, GQA, SwiGLU)."""
 
-    model_type: str  # "llama" | "qwen2" | "qwen3": the HF family, for export
+    model_type: str  # "llama" | "qwen2" | "qwen3" | "mistral": the HF family, for export
     vocab_size: int
     hidden_size: int  # embed
     intermediate_size: int  # mlp
@@ -53,6 +54,10 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
+    # Mistral's sliding window: each token attends to the last W tokens. The decoder attends
+    # to every token, which is the same for sequences of at most W tokens, so longer ones are
+    # refused (`check_attention_length`) rather than computed wrong.
+    sliding_window: int | None = None
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -81,6 +86,27 @@ class ModelConfig:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}.")
         if self.rope_theta <= 0:
             raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}.")
+        if self.sliding_window is not None and self.model_type != "mistral":
+            raise ValueError(
+                f"sliding_window is Mistral's; model_type {self.model_type!r} attends in full."
+            )
+        if self.sliding_window is not None and (
+            not isinstance(self.sliding_window, int) or self.sliding_window < 1
+        ):
+            raise ValueError(
+                f"sliding_window must be a positive int or None, got {self.sliding_window!r}."
+            )
+
+    def check_attention_length(self, length: int, what: str) -> None:
+        """ValueError when `length` tokens would attend past the sliding window: full
+        attention, which this decoder computes, equals the window's only up to W tokens."""
+        if self.sliding_window is not None and length > self.sliding_window:
+            raise ValueError(
+                f"{what} spans {length} tokens, more than the sliding window of "
+                f"{self.sliding_window} tokens of this {self.model_type} model: jgrpo attends "
+                f"over every token, which equals the window only up to {self.sliding_window}; "
+                f"keep it within {self.sliding_window} tokens."
+            )
 
     @property
     def num_params(self) -> int:
@@ -107,15 +133,16 @@ class ModelConfig:
     def from_hf_config(cls, hf_config: Mapping[str, Any] | Any) -> ModelConfig:
         """From a transformers config object or its `config.json` dict.
 
-        Refuses what the decoder does not implement (other rope types, sliding windows,
-        biases outside Qwen2's q/k/v, non-SiLU activations) rather than loading it wrong.
+        Refuses what the decoder does not implement (other rope types, Qwen2's sliding
+        windows, biases outside Qwen2's q/k/v, non-SiLU activations) rather than loading it
+        wrong; Mistral's `sliding_window` is kept, and sequences longer than it are refused.
         """
         hf = dict(hf_config if isinstance(hf_config, Mapping) else hf_config.to_dict())
         model_type = hf.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"model_type {model_type!r} is not supported; supported: "
-                f"{', '.join(SUPPORTED_MODEL_TYPES)} (Llama 2/3.x, Qwen2/2.5, Qwen3)."
+                f"{', '.join(SUPPORTED_MODEL_TYPES)} (Llama 2/3.x, Qwen2/2.5, Qwen3, Mistral)."
             )
         activation = hf.get("hidden_act", "silu")
         if activation != "silu":
@@ -169,6 +196,7 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
             pad_token_id=hf.get("pad_token_id"),
+            sliding_window=hf.get("sliding_window") if model_type == "mistral" else None,
         )
 
     def to_hf_config(self) -> dict[str, Any]:
@@ -212,6 +240,8 @@ class ModelConfig:
         }
         if self.model_type != "qwen2":
             config["attention_bias"] = False
+        if self.model_type == "mistral":
+            config["sliding_window"] = self.sliding_window
         return config
 
 

@@ -1,6 +1,6 @@
 """A decoder-only transformer in Flax NNX: RMSNorm, RoPE, grouped-query attention, SwiGLU.
 
-One module set covers Llama, Qwen2/2.5 and Qwen3 through `ModelConfig` switches. The layer
+One module set covers Llama, Qwen2/2.5, Qwen3 and Mistral through `ModelConfig` switches. The layer
 parameters are stacked along a leading `layers` axis and the layer function is a pure
 function scanned over them, so compile time does not grow with depth and one sharding spec
 covers all layers (and the stacked KV cache). Models of up to `MAX_UNROLLED_LAYERS` layers
@@ -271,6 +271,7 @@ def forward(
         positions = _positions_from_mask(key_mask, offset, length)
 
     slots = key_mask.shape[1]
+    config.check_attention_length(slots, "an input (its cache slots included)")
     query_slot = offset + jnp.arange(length)  # [T]
     causal = jnp.arange(slots)[None, :] <= query_slot[:, None]  # [T, S]
     mask = causal[None] & key_mask[:, None, :].astype(bool)  # [B, T, S]

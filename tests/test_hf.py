@@ -98,7 +98,7 @@ def reshape(name):
 
 
 def set_model_type(tensors, config):
-    config["model_type"] = "mistral"
+    config["model_type"] = "gemma2"
 
 
 @pytest.mark.parametrize(
@@ -117,7 +117,10 @@ def set_model_type(tensors, config):
             r"tensor model\.layers\.0\.self_attn\.k_proj\.weight has shape \(31, 64\), "
             r"expected \(32, 64\)",
         ),
-        (set_model_type, "model_type 'mistral' is not supported; supported: llama, qwen2, qwen3"),
+        (
+            set_model_type,
+            "model_type 'gemma2' is not supported; supported: llama, qwen2, qwen3, mistral",
+        ),
     ],
 )
 def test_bad_checkpoints_get_clear_errors(edit, message, hf_checkpoint, tmp_path):

@@ -114,3 +114,43 @@ def test_validation_names_the_field():
         dataclasses.replace(preset("tiny"), hidden_size=0)
     with pytest.raises(ValueError, match="unknown model preset 'huge'; known: tiny"):
         preset("huge")
+
+
+def test_mistral_keeps_its_sliding_window_and_refuses_inputs_longer_than_it(hf_checkpoint):
+    """Mistral's window round-trips through config.json; the decoder attends in full, which
+    equals the window up to W tokens, so a longer input (forward, rollout, update batch) and a
+    config whose rows could outgrow it are refused, naming the window and the settings."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jgrpo.config import ConfigError, load_config
+    from jgrpo.models.transformer import Transformer, forward
+    from jgrpo.sampling import SamplingConfig, rollout
+    from jgrpo.setup import Setup
+
+    config = ModelConfig.from_hf_config(make_torch_model("mistral").config)
+    assert config.sliding_window == 128 and config.to_hf_config()["sliding_window"] == 128
+    small = config.replace(sliding_window=8)
+    params = Transformer(small, rngs=nnx.Rngs(0)).params()
+    ids = jnp.ones((1, 9), jnp.int32)
+    assert forward(params, ids[:, :8], config=small).shape == (1, 8, small.vocab_size)
+    with pytest.raises(ValueError, match="spans 9 tokens, more than the sliding window of 8"):
+        forward(params, ids, config=small)
+    with pytest.raises(ValueError, match="a rollout row spans 10 tokens"):
+        rollout(
+            params,
+            ids[:, :6],
+            ids[:, :6],
+            jax.random.key(0),
+            model_config=small,
+            num_generations=2,
+            sampling=SamplingConfig(max_new_tokens=4, stop_token_ids=(2,)),
+        )
+    with pytest.raises(ValueError, match="sliding_window is Mistral's"):
+        preset("tiny").replace(sliding_window=8)
+
+    directory, _ = hf_checkpoint("mistral")
+    settings = [f"model.path={directory}", "rollout.max_prompt_length=120"]
+    with pytest.raises(ConfigError, match="rollout.max_prompt_length \\+ rollout.max_new_tokens"):
+        Setup(load_config(None, [*settings, "rollout.max_new_tokens=16", "train.run_dir=unused"]))

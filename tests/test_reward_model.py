@@ -172,8 +172,9 @@ def test_an_unsupported_architecture_is_refused(tmp_path):
     # A supported architecture name over a model type we do not implement is refused too.
     hf_config = json.loads((tmp_path / "config.json").read_text())
     hf_config["architectures"] = ["LlamaForSequenceClassification"]
+    hf_config["model_type"] = "gemma2"
     (tmp_path / "config.json").write_text(json.dumps(hf_config))
-    with pytest.raises(CheckpointError, match=r"model_type 'mistral' is not supported"):
+    with pytest.raises(CheckpointError, match=r"model_type 'gemma2' is not supported"):
         load_reward_model(tmp_path)
 
 

@@ -1,8 +1,9 @@
 """Tiny random Hugging Face checkpoints, built offline with torch, for parity tests.
 
 Each family exercises its switches: Llama with Llama 3 rope scaling and untied embeddings,
-Qwen2 with q/k/v bias and tied embeddings, Qwen3 with q/k norm and head_dim != E / H; all
-with grouped-query attention (2 kv heads for 4 query heads).
+Qwen2 with q/k/v bias and tied embeddings, Qwen3 with q/k norm and head_dim != E / H, Mistral
+with its sliding window (longer than the tests' sequences); all with grouped-query attention
+(2 kv heads for 4 query heads).
 """
 
 import pathlib
@@ -12,6 +13,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
@@ -47,6 +50,12 @@ FAMILIES = {
     ),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, dict(tie_word_embeddings=True, rope_theta=1e6)),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(tie_word_embeddings=False, head_dim=32)),
+    # a window longer than any test's sequence: full attention equals it
+    "mistral": (
+        MistralConfig,
+        MistralForCausalLM,
+        dict(tie_word_embeddings=False, sliding_window=128),
+    ),
 }
 
 
