@@ -46,6 +46,10 @@ from jgrpo.update import Batch, TrainState, UpdateConfig, init_state, make_optim
 
 logger = logging.getLogger("jgrpo.train")
 
+# Folded into train.seed's key for the LoRA adapters' initial values: the steps fold in their
+# step numbers (0 and up), which never reach it.
+ADAPTER_KEY = 2**32 - 1
+
 # Prompt widths round up to this: a new longest prompt by a few tokens keeps its program.
 PROMPT_WIDTH_MULTIPLE = 8
 
@@ -401,7 +405,7 @@ class Setup(Programs):
         policy starts as the base), drawn from train.seed."""
         if self.lora is None:
             return jax.device_put(self.model.params(), self.param_shardings)  # a no-op check
-        key = jax.random.fold_in(jax.random.key(self.config.train.seed), 0x10AA)
+        key = jax.random.fold_in(jax.random.key(self.config.train.seed), ADAPTER_KEY)
         draw = functools.partial(init_adapters, self.model_config, self.lora)
         return jax.jit(draw, out_shardings=self.param_shardings)(key)
 

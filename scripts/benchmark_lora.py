@@ -126,6 +126,14 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     fresh_state = jax.jit(lambda p: init_state(p, optimizer))  # the update donates its state
+
+    def time_update(update, *, full: bool) -> float:
+        """Seconds of one update; its arrays are freed on return (before the decode part)."""
+        params = model_params()
+        start = params if full else adapters_of(jax.random.key(1))
+        reference = jax.tree.map(jnp.copy, params) if full else params
+        return timed(lambda: update(fresh_state(start), batch, reference)[1], repeats=args.repeats)
+
     params_shape = jax.eval_shape(model_params)
     adapters_shape = jax.eval_shape(adapters_of, jax.random.key(0))
     programs = {}
@@ -152,14 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         total = memory.argument_size_in_bytes + memory.temp_size_in_bytes
         seconds = ""
         if not args.memory_only and not (args.lora_only and trained is params_shape):
-            params = model_params()
-            start = params if trained is params_shape else adapters_of(jax.random.key(1))
-            reference = jax.tree.map(jnp.copy, params) if trained is params_shape else params
-
-            def run(update=update, start=start, reference=reference):
-                return update(fresh_state(start), batch, reference)[1]
-
-            seconds = f"{timed(run, repeats=args.repeats):.2f}"
+            seconds = f"{time_update(update, full=trained is params_shape):.2f}"
         print(
             f"| {name} | {trained_bytes / MIB:.1f} MiB | {optimizer_bytes / MIB:.1f} MiB | "
             f"{size(params_shape) / MIB:.1f} MiB | {memory.temp_size_in_bytes / MIB:.1f} MiB | "
