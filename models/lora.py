@@ -147,26 +147,15 @@ def with_adapters(base: dict, adapters: dict, scale: float) -> dict:
     return dict(base, layers=layers)
 
 
-def adapter_product(a: jax.Array, b: jax.Array, kernel: str) -> jax.Array:
-    """A B for stacked adapters a [L, *I, r], b [L, r, *O]: f32[L, *I, *O]."""
-    return jnp.einsum(
-        "lir,lro->lio",
-        a.reshape(a.shape[0], -1, a.shape[-1]),
-        b.reshape(b.shape[0], b.shape[1], -1),
-        preferred_element_type=jnp.float32,
-    ).reshape(*a.shape[:-1], *b.shape[2:])
-
-
 def merge_adapters(base: dict, adapters: dict, scale: float, dtype=jnp.float32) -> dict:
     """The base parameters with W + scale * A B in place of each adapted kernel, summed in
     f32 and stored in `dtype` (f32 by default: a bf16 base alone would round the small early
     adapters away; bf16 for a rollout that samples with bf16 weights anyway); the rest of the
     base as it is."""
+    adapted = with_adapters(base, adapters, scale)["layers"]
     layers = dict(base["layers"])
-    for kernel, parts in adapters["layers"].items():
-        delta = adapter_product(parts["a"], parts["b"], kernel)
-        merged = base["layers"][kernel].astype(jnp.float32) + scale * delta
-        layers[kernel] = merged.astype(dtype)
+    for kernel in adapters["layers"]:  # each layer's LoraKernel.merged, over the stack
+        layers[kernel] = jax.vmap(LoraKernel.merged)(adapted[kernel]).astype(dtype)
     return dict(base, layers=layers)
 
 

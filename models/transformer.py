@@ -554,17 +554,9 @@ def project_each(
     products = []
     for kernel in kernels:
         if isinstance(kernel, LoraKernel):  # x W + s (x A) B: [N, r] between the products
-            low_rank = project_each(x, (kernel.a,), contract)[0]  # [..., r]
+            base, low_rank = project_each(x, (kernel.base, kernel.a), contract)  # [..., r]
             adapted = project(low_rank * jnp.asarray(kernel.scale, low_rank.dtype), kernel.b)
-            # The frozen W by plain autodiff, even in bf16: `mixed_matmul`'s custom VJP
-            # would keep a reshaped copy of every layer's W for the backward pass.
-            base = jax.lax.dot_general(
-                rows.astype(kernel.base.dtype),
-                kernel.base,
-                dims,
-                preferred_element_type=jnp.float32,
-            ).astype(x.dtype)  # [N, *O]
-            products.append(base.reshape(*lead, *kernel.shape[contract:]) + adapted)
+            products.append(base + adapted)
             continue
         if kernel.dtype == x.dtype:
             flat = jax.lax.dot_general(rows, kernel, dims)  # [N, *O]

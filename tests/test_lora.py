@@ -188,7 +188,6 @@ def test_a_lora_run_trains_adapters_checkpoints_them_and_resumes_exactly(tmp_pat
     config = load_config(
         None, [*TINY, "train.steps=4", "train.export=false", f"train.run_dir={straight}"]
     )
-    trainer_base = {}
 
     def on_step(step, _):
         compiles[step] = count_compiles()
