@@ -55,6 +55,7 @@ def chunked_token_logprobs(
     temperature: float | jax.Array = 1.0,
     chunk_size: int = 4096,
     keep_logits: bool = False,
+    softcap: float | None = None,
 ) -> tuple[jax.Array, jax.Array]:  # (f32[B, T], f32[B, T])
     """`token_logprobs(hidden @ unembedding, targets)` without building the logits.
 
@@ -82,8 +83,17 @@ def chunked_token_logprobs(
     `temperature` may be an array, traced or differentiated, as for `token_logprobs` (a
     scalar, or [..., 1] for one per position): it then scales the hidden states before the
     products rather than the logits after them, equal up to float rounding.
+
+    `softcap` c (Gemma 2's `final_logit_softcapping`) caps the logits before the
+    temperature, z = c tanh(hidden @ unembedding / c) / temperature, as the model's own
+    logits are capped before sampling; the temperature must then be a Python number.
     """
     _check_temperature(temperature)
+    if softcap is not None and not isinstance(temperature, Real):
+        raise ValueError(
+            "a soft-capped head (softcap) takes a Python number as temperature: the cap "
+            "comes before the temperature, which then cannot scale the hidden states."
+        )
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}.")
     check_shape("unembedding", unembedding, ndim=2)
@@ -114,10 +124,10 @@ def chunked_token_logprobs(
         target_rows,
         preferred_element_type=jnp.float32,
     )
-    target_logits = target_logits.astype(jnp.float32) / temperature
+    target_logits = _soft_cap(target_logits.astype(jnp.float32), softcap) / temperature
     layout = _vocab_layout(table.shape[0], chunk_size)
     log_normaliser, entropy = _logsumexp_and_entropy(
-        flat_hidden, table, temperature, layout, keep_logits
+        flat_hidden, table, (temperature, softcap), layout, keep_logits
     )  # [N], [N]
     logprobs = (target_logits - log_normaliser).reshape(targets.shape)
     return logprobs, entropy.reshape(targets.shape)
@@ -161,13 +171,19 @@ def _chunk_rows(table_3d, index):
     return jax.lax.dynamic_index_in_dim(table_3d, index, axis=1, keepdims=False)
 
 
-def _chunk_logits(operand, rows, index, temperature, layout):
-    """Logits of chunk `index` as f32[N, chunk], from its `_chunk_rows`."""
+def _soft_cap(x, cap):
+    return x if cap is None else cap * jnp.tanh(x / cap)
+
+
+def _chunk_logits(operand, rows, index, scaling, layout):
+    """Logits of chunk `index` as f32[N, chunk], from its `_chunk_rows`; `scaling` is
+    (temperature, softcap)."""
+    temperature, softcap = scaling
     if operand.dtype == jnp.float32:
         logits = _times_transposed(operand, rows)  # [N, chunk]
     else:  # XLA:CPU multiplies bf16 fast only untransposed: one [D, chunk] copy per chunk
         logits = jnp.dot(operand, _row_major(rows.T), preferred_element_type=jnp.float32)
-    logits = logits / temperature
+    logits = _soft_cap(logits, softcap) / temperature
     if layout.num_chunks * layout.chunk != layout.vocab:
         vocab_ids = jnp.arange(layout.chunk) * layout.num_chunks + index  # [chunk]
         logits = jnp.where(vocab_ids < layout.vocab, logits, _MASKED_LOGIT)
@@ -180,13 +196,14 @@ def _times_transposed(a, b):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _logsumexp_and_entropy(hidden, table, temperature, layout, keep_logits):
-    """(logsumexp_v z_v, -sum_v p_v log p_v) per row, z = hidden @ table^T / temperature."""
+def _logsumexp_and_entropy(hidden, table, scaling, layout, keep_logits):
+    """(logsumexp_v z_v, -sum_v p_v log p_v) per row, z = softcap(hidden @ table^T) /
+    temperature, `scaling` = (temperature, softcap)."""
     del keep_logits  # only the differentiated forward pass stores logits
-    return _online_logsumexp_and_entropy(hidden, table, temperature, layout, keep=False)[:2]
+    return _online_logsumexp_and_entropy(hidden, table, scaling, layout, keep=False)[:2]
 
 
-def _online_logsumexp_and_entropy(hidden, table, temperature, layout, *, keep):
+def _online_logsumexp_and_entropy(hidden, table, scaling, layout, *, keep):
     """One pass over the chunks carrying, relative to the running max m of each row,
     s = sum exp(z - m) and w = sum exp(z - m) (z - m); then logsumexp = m + log s and
     entropy = log s - w / s (both from small numbers: no cancellation). With `keep`, also
@@ -198,7 +215,7 @@ def _online_logsumexp_and_entropy(hidden, table, temperature, layout, *, keep):
     def body(carry, index):
         running_max, normaliser, weighted = carry  # [N] each
         rows = _chunk_rows(table_3d, index)  # [chunk, D]
-        logits = _chunk_logits(operand, rows, index, temperature, layout)
+        logits = _chunk_logits(operand, rows, index, scaling, layout)
         new_max = jnp.maximum(running_max, logits.max(axis=-1))
         shift = running_max - new_max  # <= 0
         rescale = jnp.exp(shift)
@@ -221,16 +238,17 @@ def _online_logsumexp_and_entropy(hidden, table, temperature, layout, *, keep):
     return log_normaliser, entropy, kept
 
 
-def _logsumexp_and_entropy_fwd(hidden, table, temperature, layout, keep_logits):
+def _logsumexp_and_entropy_fwd(hidden, table, scaling, layout, keep_logits):
     log_normaliser, entropy, kept = _online_logsumexp_and_entropy(
-        hidden, table, temperature, layout, keep=keep_logits
+        hidden, table, scaling, layout, keep=keep_logits
     )
     return (log_normaliser, entropy), (hidden, table, log_normaliser, entropy, kept)
 
 
-def _logsumexp_and_entropy_bwd(temperature, layout, keep_logits, residuals, cotangents):
+def _logsumexp_and_entropy_bwd(scaling, layout, keep_logits, residuals, cotangents):
     """Recomputes each chunk's logits (or reads the kept ones). With log p = z - logsumexp z
     and H the entropy: d logsumexp / dz = p;  dH / dz = -p (log p + H)."""
+    temperature, softcap = scaling
     hidden, table, log_normaliser, entropy, kept = residuals
     grad_lse, grad_entropy = cotangents  # [N] each
     table_3d = _as_3d(table, layout)
@@ -243,14 +261,17 @@ def _logsumexp_and_entropy_bwd(temperature, layout, keep_logits, residuals, cota
         grad_hidden, grad_table_3d = carry
         rows = _chunk_rows(table_3d, index)  # [chunk, D]
         if kept is None:
-            logits = _chunk_logits(operand, rows, index, temperature, layout)
+            logits = _chunk_logits(operand, rows, index, scaling, layout)
         else:
             logits = jax.lax.dynamic_index_in_dim(kept, index, keepdims=False)  # [N, chunk]
         log_probs = logits - log_normaliser[:, None]  # [N, chunk]
         grad_logits = jnp.exp(log_probs) * (
             grad_lse[:, None] - grad_entropy[:, None] * (log_probs + entropy[:, None])
         )
-        grad_logits = grad_logits / temperature  # through z = hidden @ W^T / temperature
+        grad_logits = grad_logits / temperature  # through z = softcap(hidden @ W^T) / temperature
+        if softcap is not None:  # d c tanh(u / c) / du = 1 - tanh^2, tanh = z T / c
+            tanh = jnp.clip(logits * (temperature / softcap), -1.0, 1.0)  # padding: -1
+            grad_logits = grad_logits * (1 - jnp.square(tanh))
         if mixed:
             grad_low = grad_logits.astype(table.dtype)
             grad_hidden = grad_hidden + jnp.dot(grad_low, rows, preferred_element_type=jnp.float32)

@@ -30,12 +30,13 @@ from jgrpo.models.group_decode import (
     cache_bytes_per_slot,
     decode_layers,
     decode_logits,
+    decode_rope_tables,
     decode_step,
     grow_completion_cache,
     prefill,
     unembedding_rows,
 )
-from jgrpo.models.transformer import logits_from_hidden, rope_tables, with_matmul_unembedding
+from jgrpo.models.transformer import logits_from_hidden, with_matmul_unembedding
 from jgrpo.sharding import traced_shard_count
 
 
@@ -382,12 +383,12 @@ def rollout(
     """
     prompts = prompt_ids.shape[0]
     rows, steps = prompts * num_generations, sampling.max_new_tokens
-    model_config.check_attention_length(prompt_ids.shape[1] + steps, "a rollout row")
     matmul_dtype = None
     if sampling.weights_dtype != "float32":
         matmul_dtype = jnp.dtype(sampling.weights_dtype)
         params = with_matmul_unembedding(params, matmul_dtype)
 
+    softcap = model_config.final_logit_softcapping  # Gemma 2 caps its logits
     # Prefill: P rows; the G rows of a prompt share its cache and start from its last logits.
     slots = concurrent_rows(sampling.max_concurrent, rows)  # None: every row at once
     cache_bytes = kv_cache_bytes(rows, steps, model_config, params["embed"].dtype)
@@ -403,11 +404,15 @@ def rollout(
         matmul_dtype=matmul_dtype,
         completion_rows=slots,
     )
-    next_logits = jnp.repeat(logits_from_hidden(params, hidden), num_generations, axis=0)
+    next_logits = jnp.repeat(
+        logits_from_hidden(params, hidden, softcap),
+        num_generations,
+        axis=0,
+    )
     prompt_lengths = jnp.repeat(prompt_mask.astype(jnp.int32).sum(-1), num_generations)  # [P*G]
     layers = decode_layers(params, model_config, matmul_dtype)
     # RoPE tables of every position a row reaches (prompt slots, then completion slots).
-    rope = rope_tables(model_config, jnp.arange(prompt_ids.shape[1] + steps))  # [Lp+N, D/2] x2
+    rope = decode_rope_tables(model_config, prompt_ids.shape[1] + steps)  # by layer kind
     unembedding = unembedding_rows(params)  # [V, E]
 
     # All the randomness up front: the loop body then holds no random-bit generator.
@@ -463,7 +468,7 @@ def rollout(
             rope=rope,
             config=model_config,
         )
-        logits = decode_logits(unembedding, hidden)  # [P*G, V]
+        logits = decode_logits(unembedding, hidden, softcap)  # [P*G, V]
         return sample_step(dict(state, cache=cache), logits)
 
     # Token 0 comes from the prefill's logits, so N tokens take N - 1 decode forwards. The
@@ -486,7 +491,7 @@ def rollout(
                 config=model_config,
                 prompt_rows=prompt_rows,
             )
-            return decode_logits(unembedding, hidden), cache
+            return decode_logits(unembedding, hidden, softcap), cache
 
         final = decode_in_slots(
             final,

@@ -199,7 +199,6 @@ class Setup(Programs):
         self.model, self.tokenizer = load_policy(config, self.task, self.mesh)
         self.model_config = self.model.config
         self.lora = config.model.lora  # None: full fine-tuning
-        self.check_attention_window()
         self.check_prompts()
         self.environment = self.episode_environment()  # None: single-turn
         self.tool_schemas = tool_schemas(self.task.tools) if self.task.tools else None
@@ -267,19 +266,6 @@ class Setup(Programs):
         self.reward_model = None  # a ModelReward among the task's reward functions
         if config.reward_model.path is not None:
             self.add_reward_model()
-
-    def check_attention_window(self) -> None:
-        """ConfigError when a row (prompt and completion) could outgrow a sliding-window
-        model's window (Mistral's `sliding_window`), past which full attention differs."""
-        r = self.config.rollout
-        limit = "max_new_tokens" if r.max_turns == 1 else "max_total_tokens"
-        what = f"rollout.max_prompt_length + rollout.{limit}"
-        try:
-            self.model_config.check_attention_length(
-                r.max_prompt_length + r.completion_tokens, what
-            )
-        except ValueError as error:
-            raise ConfigError(str(error)) from None
 
     def episode_environment(self) -> Callable[[], Environment] | None:
         """Multi-turn tasks (tools or an environment): what makes each episode's environment;

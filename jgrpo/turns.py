@@ -35,11 +35,12 @@ from jgrpo.models.config import ModelConfig
 from jgrpo.models.group_decode import (
     decode_layers,
     decode_logits,
+    decode_rope_tables,
     decode_step,
     prefill,
     unembedding_rows,
 )
-from jgrpo.models.transformer import logits_from_hidden, rope_tables, with_matmul_unembedding
+from jgrpo.models.transformer import logits_from_hidden, with_matmul_unembedding
 from jgrpo.sampling import SamplingConfig, sample_tokens
 from jgrpo.tools import Environment
 
@@ -66,7 +67,7 @@ def start_turns(
     `continue_turns` decodes the first turn from. A turn holds at most
     `sampling.max_new_tokens` tokens."""
     rows = prompt_ids.shape[0] * num_generations
-    model_config.check_attention_length(prompt_ids.shape[1] + total_tokens, "an episode")
+    softcap = model_config.final_logit_softcapping  # Gemma 2 caps its logits
     matmul_dtype = _matmul_dtype(sampling)
     if matmul_dtype is not None:
         params = with_matmul_unembedding(params, matmul_dtype)
@@ -79,7 +80,11 @@ def start_turns(
         max_new_tokens=total_tokens,
         matmul_dtype=matmul_dtype,
     )
-    logits = jnp.repeat(logits_from_hidden(params, hidden), num_generations, axis=0)  # [R, V]
+    logits = jnp.repeat(
+        logits_from_hidden(params, hidden, softcap),
+        num_generations,
+        axis=0,
+    )  # [R, V]
     uniforms = jax.random.uniform(key, (total_tokens, rows))  # token t of row r: [t, r]
     token, logprob, sampler_logprob = sample_tokens(logits, uniforms[0], sampling)
     stops = jnp.isin(token, jnp.asarray(sampling.stop_token_ids, jnp.int32))
@@ -114,11 +119,12 @@ def continue_turns(
     """Decodes the active rows until each draws a stop token or fills its area, feeding the
     context tokens a row has before it draws (one decode step each)."""
     rows, total = state["tokens"].shape
+    softcap = model_config.final_logit_softcapping
     matmul_dtype = _matmul_dtype(sampling)
     if matmul_dtype is not None:
         params = with_matmul_unembedding(params, matmul_dtype)
     layers = decode_layers(params, model_config, matmul_dtype)
-    rope = rope_tables(model_config, jnp.arange(prompt_mask.shape[1] + total))
+    rope = decode_rope_tables(model_config, prompt_mask.shape[1] + total)
     unembedding = unembedding_rows(params)
     stop_ids = jnp.asarray(sampling.stop_token_ids, jnp.int32)
     row_index = jnp.arange(rows)
@@ -139,7 +145,7 @@ def continue_turns(
             config=model_config,
             prompt_rows=prompt_rows,
         )
-        logits = decode_logits(unembedding, hidden)  # [R, V]
+        logits = decode_logits(unembedding, hidden, softcap)  # [R, V]
         index = jnp.minimum(fed + 1, total - 1)  # the token these logits predict
         draw = active & (fed + 1 >= written)  # the model's turn (no context left to feed)
         token, logprob, sampler_logprob = sample_tokens(

@@ -249,7 +249,6 @@ def completion_logprobs(
     (`jgrpo.models.transformer.mixed_matmul`). Activations, norms, attention and the softmax
     stay f32.
     """
-    model_config.check_attention_length(batch.input_ids.shape[1], "a batch row")
     if matmul_dtype != "float32":
         params = with_matmul_weights(params, jnp.dtype(matmul_dtype))
     table = unembedding(params)  # [D, V]
@@ -261,6 +260,7 @@ def completion_logprobs(
             targets,
             temperature=temperature,
             chunk_size=chunk_size,
+            softcap=model_config.final_logit_softcapping,
             keep_logits=keeps_logits(
                 targets.size, table.shape[1], keep_logits_mib, batch_shards(targets.shape[0])
             ),

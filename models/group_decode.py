@@ -32,12 +32,16 @@ from jgrpo.models.config import ModelConfig
 from jgrpo.models.transformer import (
     _MASKED,
     LoraKernel,
+    activate,
     apply_rope,
     constrain,
     forward,
     input_embeddings,
+    norm_scale,
     rms_norm,
+    rope_tables,
     row_major,
+    soft_cap,
     write_slice,
 )
 
@@ -84,14 +88,17 @@ def decode_layers(params: dict, config: ModelConfig, matmul_dtype=None) -> list[
     def layer_value(value, i):  # a LoRA kernel merged, W + s A B, in this same pass
         return value[i].merged() if isinstance(value, LoraKernel) else value[i]
 
+    def column(norm):  # [E] -> [E, 1]: the factor it stands for (`norm_scale`), as a column
+        return norm_scale(config, norm)[:, None]
+
     layers = []
     for i in range(config.num_layers):
         p = {name: layer_value(value, i) for name, value in params["layers"].items()}
         layer = {
-            "attn_norm": p["attn_norm"][:, None],  # [E, 1]
+            "attn_norm": column(p["attn_norm"]),  # [E, 1]
             "qkv": rows_of(p["q_kernel"], p["k_kernel"], p["v_kernel"]),  # [(H + 2K) * D, E]
             "o": rows_of(p["o_kernel"].reshape(-1, config.hidden_size)),  # [E, H*D]
-            "mlp_norm": p["mlp_norm"][:, None],
+            "mlp_norm": column(p["mlp_norm"]),
             "gate_up": rows_of(p["gate_kernel"], p["up_kernel"]),  # [2M, E]
             "down": rows_of(p["down_kernel"]),  # [E, M]
         }
@@ -99,7 +106,11 @@ def decode_layers(params: dict, config: ModelConfig, matmul_dtype=None) -> list[
             biases = [p[name].reshape(-1) for name in ("q_bias", "k_bias", "v_bias")]
             layer["qkv_bias"] = jnp.concatenate(biases)[:, None]  # [(H + 2K) * D, 1]
         if config.qk_norm:
-            layer["q_norm"], layer["k_norm"] = p["q_norm"], p["k_norm"]
+            layer["q_norm"] = norm_scale(config, p["q_norm"])  # [D]
+            layer["k_norm"] = norm_scale(config, p["k_norm"])
+        if config.post_norms:
+            layer["post_attn_norm"] = column(p["post_attn_norm"])
+            layer["post_mlp_norm"] = column(p["post_mlp_norm"])
         layers.append(layer)
     return layers
 
@@ -115,10 +126,23 @@ def unembedding_rows(params: dict) -> jax.Array:  # [V, E]
 def decode_logits(
     unembedding: jax.Array,  # [V, E], `unembedding_rows(params)`
     hidden: jax.Array,  # [E, B], `decode_step`'s feature-major final hidden states
+    softcap: float | None = None,  # `config.final_logit_softcapping`
 ) -> jax.Array:  # f32[B, V]
     """f32 logits of one decode step: the table as the left operand (`decode_layers` says
-    why), the [V, B] product then transposed to row-major [B, V] for sampling."""
-    return row_major(_times(unembedding, hidden.astype(jnp.float32)).T)
+    why), the [V, B] product then transposed to row-major [B, V] for sampling (and
+    soft-capped, Gemma 2)."""
+    return soft_cap(row_major(_times(unembedding, hidden.astype(jnp.float32)).T), softcap)
+
+
+def decode_rope_tables(config: ModelConfig, length: int) -> dict[bool, tuple[jax.Array, jax.Array]]:
+    """The RoPE tables `decode_step` reads, of positions 0..length-1, by layer kind: {False:
+    (cos, sin) f32[length, D/2] of the full-attention layers, True: the sliding layers'}
+    (the same arrays unless the sliding layers have their own base, Gemma 3)."""
+    positions = jnp.arange(length)
+    full = rope_tables(config, positions)
+    if config.rope_local_theta is None:
+        return {False: full, True: full}
+    return {False: full, True: rope_tables(config, positions, sliding=True)}
 
 
 def prefill(
@@ -192,7 +216,7 @@ def decode_step(
     slot: jax.Array,  # int32 scalar: the completion slot the tokens are written to
     prompt_mask: jax.Array,  # [P, Lp]
     *,
-    rope: tuple[jax.Array, jax.Array],  # cos, sin f32[T, D/2] of positions 0..T-1
+    rope: dict[bool, tuple[jax.Array, jax.Array]],  # `decode_rope_tables(config, T)`
     config: ModelConfig,
     prompt_rows: jax.Array | None = None,  # int32[B]: each row's prompt (slot rollouts)
 ) -> tuple[jax.Array, GroupCache]:
@@ -206,7 +230,7 @@ def decode_step(
     instead of the prompt-major groups of G rows.
 
     `rope` holds the RoPE tables of every position the decode reaches,
-    `rope_tables(config, jnp.arange(T))`, computed once before the decode loop; the step
+    `decode_rope_tables(config, T)`, computed once before the decode loop; the step
     looks its rows' positions up. Computed in the step instead, XLA:CPU fuses the sine and
     cosine into every layer's q and k rotation and evaluates them per head (4% of a decode
     step at the benchmark workload, docs/benchmarks.md).
@@ -220,14 +244,34 @@ def decode_step(
     heads, kv_heads, dim = config.num_heads, config.num_kv_heads, config.head_dim
     per_row = prompt_rows is not None
     slots = jnp.arange(cache.completion_v[0].shape[2])
-    completion_mask = slots[None, :] <= slot[:, None] if per_row else slots <= slot  # [B, N] | [N]
+    distance = slot[:, None] - slots[None, :] if per_row else slot - slots  # [B, N] | [N]
+    completion_mask = distance >= 0
     if per_row:
         prompt_mask = jnp.take(prompt_mask, prompt_rows, axis=0)  # [B, Lp]
-    cos, sin = (jnp.take(table, positions, axis=0)[:, None] for table in rope)  # [B, 1, D/2]
-    x = input_embeddings(params, tokens)  # [B, E]
+    masks = {False: (prompt_mask, completion_mask)}
+    if config.sliding_window is not None:
+        # A sliding layer keeps keys fewer than W slots back: prompt slot j lies Lp + slot - j
+        # before the query (prompts are left-padded, so slots and positions agree).
+        window = config.sliding_window
+        prompt_slots = prompt_mask.shape[-1]
+        prompt_distance = (
+            prompt_slots - jnp.arange(prompt_slots) + (slot[:, None] if per_row else slot)
+        )
+        masks[True] = (
+            prompt_mask * (prompt_distance < window),  # [P | B, Lp]
+            completion_mask & (distance < window),
+        )
+    cos_sin = {
+        kind: tuple(jnp.take(table, positions, axis=0)[:, None] for table in tables)
+        for kind, tables in rope.items()
+    }  # [B, 1, D/2] each
+    x = input_embeddings(params, tokens, config)  # [B, E]
     x = _feature_major(row_major(x.T))  # [E, B]
     new_k, new_v = [], []
     for i, layer in enumerate(layers):
+        is_sliding = config.sliding_layers[i]
+        cos, sin = cos_sin[is_sliding]
+        layer_prompt_mask, layer_completion_mask = masks[is_sliding]
         h = rms_norm(x, layer["attn_norm"], eps, axis=0)  # [E, B]
         qkv = _times(layer["qkv"], h)  # [(H + 2K) * D, B]
         if config.qkv_bias:
@@ -251,17 +295,32 @@ def decode_step(
             completion_v = write_slice(cache.completion_v[i], v, (0, 0, slot, 0))
             prompt_k, prompt_v = cache.prompt_k[i], cache.prompt_v[i]
         attention = shared_prefix_attention(
-            q, prompt_k, prompt_v, completion_k, completion_v, prompt_mask, completion_mask
+            q,
+            prompt_k,
+            prompt_v,
+            completion_k,
+            completion_v,
+            layer_prompt_mask,
+            layer_completion_mask,
+            scale=config.attention_scale,
+            softcap=config.attn_logit_softcapping,
         )  # [B, 1, H, D]
         attention = row_major(attention.reshape(rows, heads * dim).T)  # [H*D, B]
-        x = x + _times(layer["o"], attention)
+        out = _times(layer["o"], attention)  # [E, B]
+        if config.post_norms:
+            out = rms_norm(out, layer["post_attn_norm"], eps, axis=0)
+        x = x + out
         h = rms_norm(x, layer["mlp_norm"], eps, axis=0)
         gate, up = jnp.split(_times(layer["gate_up"], h), 2)  # [M, B] each
-        hidden = constrain(jax.nn.silu(gate) * up, ("mlp", "batch"))
-        x = _feature_major(x + _times(layer["down"], hidden))
+        hidden = constrain(activate(gate, config.hidden_act) * up, ("mlp", "batch"))
+        out = _times(layer["down"], hidden)  # [E, B]
+        if config.post_norms:
+            out = rms_norm(out, layer["post_mlp_norm"], eps, axis=0)
+        x = _feature_major(x + out)
         new_k.append(completion_k)
         new_v.append(completion_v)
-    hidden = rms_norm(x, params["final_norm"][:, None], eps, axis=0)  # [E, B]
+    final_norm = norm_scale(config, params["final_norm"])[:, None]
+    hidden = rms_norm(x, final_norm, eps, axis=0)  # [E, B]
     return hidden, cache._replace(completion_k=tuple(new_k), completion_v=tuple(new_v))
 
 
@@ -308,10 +367,13 @@ def shared_prefix_attention(
     prompt_mask: jax.Array,  # [P, Lp]
     completion_mask: jax.Array,  # bool[N], the same for every row, or bool[P*G, N]
     *,
+    scale: float | None = None,
+    softcap: float | None = None,
     batched_dots: bool | None = None,
 ) -> jax.Array:  # [P*G, 1, H, D]
     """One query token per row attending to its prompt's slots and its own completion slots:
-    softmax over the concatenation of both, computed without building it. Scores in f32.
+    softmax over the concatenation of both, computed without building it. Scores in f32,
+    scaled by `scale` (D^-1/2 by default) and soft-capped by `softcap` when given.
 
     A row's own slots are read by batched matrix products where `batched_dots` (the default
     off CPU) and by fused multiply-reduces otherwise (the default on CPU): each is the fast
@@ -322,14 +384,15 @@ def shared_prefix_attention(
     rows, _, heads, dim = q.shape
     prompts, kv_heads, prompt_slots, _ = prompt_k.shape
     groups, per_kv = rows // prompts, heads // kv_heads
-    scale = dim**-0.5
+    scale = dim**-0.5 if scale is None else scale
     q = q.reshape(rows, kv_heads, per_kv, dim).astype(jnp.float32)  # [B, K, G', D]
 
     # The G rows of a prompt share its keys: one [G*G', D] x [D, Lp] product per prompt and head.
     q_by_prompt = q.reshape(prompts, groups, kv_heads, per_kv, dim)
-    prompt_scores = (
+    prompt_scores = soft_cap(
         jnp.einsum("pgkhd,pkld->pgkhl", q_by_prompt, prompt_k, preferred_element_type=jnp.float32)
-        * scale
+        * scale,
+        softcap,
     )  # [P, G, K, G', Lp]
     prompt_scores = jnp.where(prompt_mask[:, None, None, None, :] > 0, prompt_scores, _MASKED)
     prompt_scores = prompt_scores.reshape(rows, kv_heads, per_kv, prompt_slots)
@@ -343,6 +406,7 @@ def shared_prefix_attention(
         completion_scores = jnp.einsum("bkhd,bkdn->bkhn", q, completion_k) * scale
     else:
         completion_scores = jnp.sum(q[..., None] * completion_k[:, :, None], axis=-2) * scale
+    completion_scores = soft_cap(completion_scores, softcap)
     # completion_scores [B, K, G', N]
     if completion_mask.ndim == 2:  # per row
         completion_mask = completion_mask[:, None, None, :]

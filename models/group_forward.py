@@ -38,12 +38,15 @@ import jax.numpy as jnp
 
 from jgrpo.models.config import ModelConfig
 from jgrpo.models.transformer import (
+    choose,
     finish_layer,
     grouped_query_attention,
     input_embeddings,
+    layer_kinds,
+    layer_variants,
+    norm_scale,
     over_layers,
     rms_norm,
-    rope_tables,
     token_major_attention_inputs,
 )
 
@@ -96,7 +99,7 @@ def group_completion_hidden(
     else:
         index = packed.predictor.reshape(rows // group_size, group_size * n)  # [P, G * N]
         predicting = jnp.take_along_axis(x, index[:, :, None], axis=1).reshape(rows, n, -1)
-    return rms_norm(predicting, params["final_norm"], config.rms_norm_eps)
+    return rms_norm(predicting, norm_scale(config, params["final_norm"]), config.rms_norm_eps)
 
 
 def packed_head_inputs(
@@ -130,7 +133,8 @@ def packed_head_inputs(
         x[:, prompt_length - 1 : prompt_length], (prompts, group_size, x.shape[-1])
     )  # [P, G, E]
     hidden = jnp.concatenate([first, x[:, prompt_length:]], axis=1).reshape(-1, x.shape[-1])
-    hidden = rms_norm(hidden, params["final_norm"], config.rms_norm_eps)  # [M, E]
+    hidden = rms_norm(hidden, norm_scale(config, params["final_norm"]), config.rms_norm_eps)
+    # hidden [M, E]
     completion_ids = input_ids[:, prompt_length:].reshape(prompts, group_size * n)
     slot_ids = jnp.take_along_axis(
         completion_ids, jnp.maximum(packed.source.reshape(prompts, slots), 0), axis=1
@@ -195,7 +199,6 @@ def _group_layers(
         return jnp.concatenate([prompt_part, slots], axis=1)
 
     token_ids = per_prompt(prompt_ids, unit_ids)  # [P, Lp + U * N]
-    cos, sin = rope_tables(config, per_prompt(prompt_positions, unit_positions))
     # Prompt tokens attend causally within their prompt; completion tokens to their prompt's
     # real tokens and causally to their own completion's real tokens.
     prompt_causal = jnp.tril(jnp.ones((prompt_length, prompt_length), bool))  # [Lp, Lp]
@@ -205,30 +208,61 @@ def _group_layers(
         [jnp.broadcast_to(unit_prompt_mask[:, None, :], (units, n, prompt_length)), own_mask],
         axis=2,
     )  # [P * U, N, Lp + N]
+    # Sliding layers keep keys fewer than W positions back (packed slots sit at their padded
+    # row's positions, so positions, not slots, measure it).
+    unit_key_positions = jnp.concatenate(
+        [jnp.repeat(prompt_positions, units_per_prompt, axis=0), unit_positions], axis=1
+    )  # [P * U, Lp + N]
+    prompt_full, prompt_sliding = layer_variants(
+        config,
+        prompt_attention_mask,
+        prompt_positions[:, :, None] - prompt_positions[:, None, :],
+        prompt_positions,
+    )  # masks [P, Lp, Lp]
+    unit_full, unit_sliding = layer_variants(
+        config,
+        unit_attention_mask,
+        unit_positions[:, :, None] - unit_key_positions[:, None, :],
+        unit_positions,
+    )  # masks [P * U, N, Lp + N]
+
+    def layer_inputs(prompt, unit):  # masks, then cos and sin [P, Lp + U * N, D/2]
+        return (
+            prompt.mask,
+            unit.mask,
+            per_prompt(prompt.cos, unit.cos),
+            per_prompt(prompt.sin, unit.sin),
+        )
+
+    full = layer_inputs(prompt_full, unit_full)
+    sliding = full if unit_sliding is unit_full else layer_inputs(prompt_sliding, unit_sliding)
 
     def by_unit(x):  # [P, U * N, ...] -> [P * U, N, ...]
         return x.reshape(units, n, *x.shape[2:])
 
-    def layer(x, layer_params):  # x [P, Lp + U * N, E]
+    def layer(x, scanned):  # x [P, Lp + U * N, E]
+        layer_params, is_sliding = scanned
+        prompt_layer_mask, unit_layer_mask, cos, sin = choose(is_sliding, sliding, full)
         q, k, v = token_major_attention_inputs(config, layer_params, x, cos, sin)
         # q [P, Lp + U*N, H, D]; k, v [P, Lp + U*N, K, D]
         prompt_k = k[:, :prompt_length].transpose(0, 2, 1, 3)  # [P, K, Lp, D]
         prompt_v = v[:, :prompt_length].transpose(0, 2, 1, 3)
+        scale, softcap = config.attention_scale, config.attn_logit_softcapping
         prompt_attention = grouped_query_attention(
-            q[:, :prompt_length], prompt_k, prompt_v, prompt_attention_mask
+            q[:, :prompt_length], prompt_k, prompt_v, prompt_layer_mask, scale, softcap
         )  # [P, Lp, H, D]
         own_k = by_unit(k[:, prompt_length:]).transpose(0, 2, 1, 3)  # [P * U, K, N, D]
         own_v = by_unit(v[:, prompt_length:]).transpose(0, 2, 1, 3)
         keys = jnp.concatenate([jnp.repeat(prompt_k, units_per_prompt, axis=0), own_k], axis=2)
         values = jnp.concatenate([jnp.repeat(prompt_v, units_per_prompt, axis=0), own_v], axis=2)
         unit_attention = grouped_query_attention(
-            by_unit(q[:, prompt_length:]), keys, values, unit_attention_mask
+            by_unit(q[:, prompt_length:]), keys, values, unit_layer_mask, scale, softcap
         )  # [P * U, N, H, D]
         attention = per_prompt(prompt_attention, unit_attention)  # [P, Lp + U*N, H, D]
         return finish_layer(config, layer_params, x, attention), None
 
     if config.remat:
         layer = jax.checkpoint(layer, prevent_cse=False)
-    x = input_embeddings(params, token_ids)  # [P, Lp + U * N, E]
-    x, _ = over_layers(layer, x, params["layers"], config.num_layers)
+    x = input_embeddings(params, token_ids, config)  # [P, Lp + U * N, E]
+    x, _ = over_layers(layer, x, (params["layers"], layer_kinds(config)), config.num_layers)
     return x

@@ -51,6 +51,13 @@ PARAM_TO_HF: dict[str, str] = {
     "layers.down_kernel": _LAYER + "mlp.down_proj.weight",
     "score": "score.weight",  # the head of *ForSequenceClassification (reward models)
 }
+# Gemma 2/3 normalise both sides of each sub-block: their `post_attention_layernorm` is the
+# attention output's norm, and the MLP's input norm is `pre_feedforward_layernorm`.
+POST_NORM_TO_HF: dict[str, str] = {
+    "layers.post_attn_norm": _LAYER + "post_attention_layernorm.weight",
+    "layers.mlp_norm": _LAYER + "pre_feedforward_layernorm.weight",
+    "layers.post_mlp_norm": _LAYER + "post_feedforward_layernorm.weight",
+}
 # Tensors some checkpoints carry that hold nothing to load (recomputed buffers).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 TOKENIZER_FILES = (
@@ -85,7 +92,10 @@ def _param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def _hf_names(path: str, config: ModelConfig) -> list[str]:
-    template = PARAM_TO_HF[path]
+    if config.post_norms and path in POST_NORM_TO_HF:
+        template = POST_NORM_TO_HF[path]
+    else:
+        template = PARAM_TO_HF[path]
     if path.startswith("layers."):
         return [template.format(i=i) for i in range(config.num_layers)]
     return [template]

@@ -2,8 +2,8 @@
 
 A reward model is the same decoder as the policy with a score head [E, 1] in place of the
 unembedding: it reads a whole (prompt, completion) text and returns one scalar, taken at the
-sequence's last token. Supported: `LlamaForSequenceClassification`,
-`Qwen2ForSequenceClassification`, `Qwen3ForSequenceClassification` (the model types
+sequence's last token. Supported: the `*ForSequenceClassification` of Llama, Qwen2, Qwen3,
+Mistral, Gemma 2 and Gemma 3 text (`SUPPORTED_ARCHITECTURES`, over the model types
 `ModelConfig.from_hf_config` accepts).
 
 Which token is "last" follows transformers exactly: the rightmost token whose id is not the
@@ -35,6 +35,9 @@ SUPPORTED_ARCHITECTURES = (
     "LlamaForSequenceClassification",
     "Qwen2ForSequenceClassification",
     "Qwen3ForSequenceClassification",
+    "MistralForSequenceClassification",
+    "Gemma2ForSequenceClassification",
+    "Gemma3TextForSequenceClassification",
 )
 
 

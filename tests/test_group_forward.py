@@ -146,10 +146,12 @@ def test_group_forward_equals_the_plain_forward(family, hf_checkpoint):
     assert_same_gradients(got, expected)
 
 
-def test_packed_group_forward_equals_the_plain_forward(hf_checkpoint):
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_packed_group_forward_equals_the_plain_forward(family, hf_checkpoint):
     """A group's completions packed into fewer rows: the same hidden states at the real
-    positions, and the same parameter gradients (qk-norm included)."""
-    model = from_pretrained(hf_checkpoint("qwen3")[0])
+    positions, and the same parameter gradients (qk-norm included; gemma3: sliding windows
+    measured by position, which packed slots keep from their padded rows)."""
+    model = from_pretrained(hf_checkpoint(family)[0])
     params, config = model.params(), model.config
     # groups of lengths: 5 2 3 1 (3 packed rows: 5 | 3 2 | 1), 1 1 4 2 (2 rows: 4 1 | 2 1),
     # 0 5 2 2 (2 rows: 5 | 2 2; an empty completion)

@@ -98,7 +98,7 @@ def reshape(name):
 
 
 def set_model_type(tensors, config):
-    config["model_type"] = "gemma2"
+    config["model_type"] = "phi3"
 
 
 @pytest.mark.parametrize(
@@ -119,7 +119,7 @@ def set_model_type(tensors, config):
         ),
         (
             set_model_type,
-            "model_type 'gemma2' is not supported; supported: llama, qwen2, qwen3, mistral",
+            "model_type 'phi3' is not supported; supported: llama, qwen2, qwen3, mistral",
         ),
     ],
 )

@@ -80,6 +80,52 @@ def test_chunked_matches_values_and_gradients(vocab, chunk_size, temperature):
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("keep_logits", [False, True])
+@pytest.mark.parametrize(("vocab", "temperature"), [(96, 1.0), (97, 0.6)])  # 97: padded
+def test_chunked_soft_capped_logits(vocab, temperature, keep_logits):
+    """`softcap` c (Gemma 2): the log-probs, entropies and gradients of token_logprobs on
+    c tanh(logits / c), the cap before the temperature, with and without kept chunks."""
+    hidden, unembedding, targets = hidden_and_unembedding(3, 7, 16, vocab, seed=2)
+    unembedding = unembedding * 4.0  # logits up to ~30: a cap of 5 bends them
+    weights = jax.random.normal(jax.random.key(5), (2, 3, 7))
+    cap = 5.0
+
+    def objective(fn):
+        def scalar(hidden, unembedding):
+            logprobs, entropy = fn(hidden, unembedding)
+            return (weights[0] * logprobs).sum() + (weights[1] * entropy).sum()
+
+        return scalar
+
+    def full(h, w):
+        capped = cap * jnp.tanh(h @ w / cap)
+        return jgrpo.token_logprobs(capped, targets, temperature=temperature)
+
+    def chunked(h, w):
+        return jgrpo.chunked_token_logprobs(
+            h,
+            w,
+            targets,
+            temperature=temperature,
+            chunk_size=16,
+            keep_logits=keep_logits,
+            softcap=cap,
+        )
+
+    assert np.abs(np.asarray(hidden @ unembedding)).max() > 2 * cap
+    for got, expected in zip(chunked(hidden, unembedding), full(hidden, unembedding), strict=True):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    got_grads = jax.jit(jax.grad(objective(chunked), argnums=(0, 1)))(hidden, unembedding)
+    expected_grads = jax.jit(jax.grad(objective(full), argnums=(0, 1)))(hidden, unembedding)
+    for got, expected in zip(got_grads, expected_grads, strict=True):
+        assert np.isfinite(np.asarray(got)).all()
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="soft-capped head"):
+        jgrpo.chunked_token_logprobs(
+            hidden, unembedding, targets, temperature=jnp.float32(0.6), softcap=cap
+        )
+
+
 def test_chunked_takes_a_traced_temperature_as_token_logprobs_does():
     """A temperature that is an array (traced under jit, or differentiated) gives the values
     and gradients, its own included, of token_logprobs on the full logits."""

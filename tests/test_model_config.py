@@ -8,24 +8,83 @@ import pytest
 import transformers
 from tiny_hf import FAMILIES, make_torch_model
 
-from jgrpo.models.config import PRESETS, Llama3RopeScaling, ModelConfig, preset
+from jgrpo.models.config import (
+    PRESETS,
+    LinearRopeScaling,
+    Llama3RopeScaling,
+    ModelConfig,
+    preset,
+)
+
+FULL, SLIDE = "full_attention", "sliding_attention"
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_from_hf_config_reads_each_family(family):
     hf_config = make_torch_model(family).config
     config = ModelConfig.from_hf_config(hf_config)
+    gemma = family.startswith("gemma")
     assert config.model_type == hf_config.model_type
     assert (config.num_heads, config.num_kv_heads) == (4, 2)
-    assert config.head_dim == (32 if family == "qwen3" else 16)
+    assert config.head_dim == (32 if family in ("qwen3", "gemma3") else 16)
     assert config.qkv_bias == (family == "qwen2")
-    assert config.qk_norm == (family == "qwen3")
-    assert config.tie_word_embeddings == (family == "qwen2")
+    assert config.qk_norm == (family in ("qwen3", "gemma3"))
+    assert config.tie_word_embeddings == (family == "qwen2" or gemma)
+    switches = (config.hidden_act, config.norm_weight_offset, config.post_norms)
+    assert switches == (("gelu_pytorch_tanh", 1.0, True) if gemma else ("silu", 0.0, False))
+    assert config.scale_embeddings == gemma
     if family == "llama3":
         assert config.rope_theta == 500_000.0
         assert config.rope_scaling == Llama3RopeScaling(8.0, 1.0, 4.0, 32)
+    elif family == "gemma3":
+        assert (config.rope_theta, config.rope_local_theta) == (100_000.0, 10_000.0)
+        assert config.rope_scaling == LinearRopeScaling(2.0)
     else:
-        assert config.rope_scaling is None
+        assert config.rope_scaling is None and config.rope_local_theta is None
+    sliding = {
+        "mistral": (6, (True, True)),
+        "gemma2": (5, (True, False)),
+        "gemma3": (4, (True, True, False, True, False)),
+    }
+    window, kinds = sliding.get(family, (None, (False, False)))
+    assert (config.sliding_window, config.sliding_layers) == (window, kinds)
+    assert config.query_pre_attn_scalar == {"gemma2": 24, "gemma3": 20}.get(family)
+    assert config.attention_scale == (config.query_pre_attn_scalar or config.head_dim) ** -0.5
+    caps = (config.attn_logit_softcapping, config.final_logit_softcapping)
+    assert caps == ((2.0, 3.0) if family == "gemma2" else (None, None))
+
+
+def test_gemma_configs_of_transformers_4_are_read():
+    """Hub config.json files written before transformers listed `layer_types`: Gemma 2
+    alternates sliding and full layers from the first; Gemma 3 has every
+    `sliding_window_pattern`-th layer full, its local RoPE base in `rope_local_base_freq`,
+    and its linear scaling (4B and up) on the full layers only."""
+    gemma = {**BASE, "hidden_activation": "gelu_pytorch_tanh", "num_hidden_layers": 6}
+    gemma2 = ModelConfig.from_hf_config(
+        {**gemma, "model_type": "gemma2", "sliding_window": 4096, "query_pre_attn_scalar": 256}
+    )
+    assert gemma2.layer_types == (SLIDE, FULL) * 3
+    assert gemma2.query_pre_attn_scalar == 256.0 and gemma2.rope_local_theta is None
+    gemma3 = ModelConfig.from_hf_config(
+        {
+            **gemma,
+            "model_type": "gemma3_text",
+            "sliding_window": 512,
+            "sliding_window_pattern": 3,
+            "rope_theta": 1_000_000.0,
+            "rope_local_base_freq": 10_000.0,
+            "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+        }
+    )
+    assert gemma3.layer_types == (SLIDE, SLIDE, FULL) * 2
+    assert gemma3.rope_scaling == LinearRopeScaling(8.0)
+    assert (gemma3.rope_theta, gemma3.rope_local_theta) == (1_000_000.0, 10_000.0)
+    assert gemma3.query_pre_attn_scalar == 16.0  # head_dim when the config has none
+    # transformers reads what we write back the same way
+    hf_config = transformers.AutoConfig.for_model(**gemma3.to_hf_config())
+    assert hf_config.rope_parameters[SLIDE]["rope_theta"] == 10_000.0
+    assert hf_config.rope_parameters[FULL]["factor"] == 8.0
+    assert ModelConfig.from_hf_config(hf_config) == gemma3
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -78,6 +137,10 @@ def test_param_count_of_a_known_checkpoint():
     assert round(preset("qwen2.5-0.5b").num_params / 1e6) == 494
     # SmolLM2-135M: 134.5M parameters (tied embeddings), as transformers counts them.
     assert preset("smollm2-135m").num_params == 134_515_008
+    # Gemma, as transformers counts the released checkpoints (tied embeddings).
+    assert preset("gemma3-270m").num_params == 268_098_176
+    assert preset("gemma3-1b").num_params == 999_885_952
+    assert preset("gemma2-2b").num_params == 2_614_341_888
 
 
 def test_the_smollm2_preset_is_the_compare_benchmarks_architecture():
@@ -96,6 +159,9 @@ def test_the_smollm2_preset_is_the_compare_benchmarks_architecture():
     ("change", "message"),
     [
         ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported; supported: llama, qwen2"),
+        ({"model_type": "gemma3"}, "multimodal Gemma 3.*model_type 'gemma3_text'"),
+        ({"model_type": "gemma2"}, "hidden_act 'silu' is not supported for gemma2"),
+        ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn'"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
         ({"use_sliding_window": True}, "use_sliding_window"),
@@ -114,43 +180,13 @@ def test_validation_names_the_field():
         dataclasses.replace(preset("tiny"), hidden_size=0)
     with pytest.raises(ValueError, match="unknown model preset 'huge'; known: tiny"):
         preset("huge")
-
-
-def test_mistral_keeps_its_sliding_window_and_refuses_inputs_longer_than_it(hf_checkpoint):
-    """Mistral's window round-trips through config.json; the decoder attends in full, which
-    equals the window up to W tokens, so a longer input (forward, rollout, update batch) and a
-    config whose rows could outgrow it are refused, naming the window and the settings."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from jgrpo.config import ConfigError, load_config
-    from jgrpo.models.transformer import Transformer, forward
-    from jgrpo.sampling import SamplingConfig, rollout
-    from jgrpo.setup import Setup
-
-    config = ModelConfig.from_hf_config(make_torch_model("mistral").config)
-    assert config.sliding_window == 128 and config.to_hf_config()["sliding_window"] == 128
-    small = config.replace(sliding_window=8)
-    params = Transformer(small, rngs=nnx.Rngs(0)).params()
-    ids = jnp.ones((1, 9), jnp.int32)
-    assert forward(params, ids[:, :8], config=small).shape == (1, 8, small.vocab_size)
-    with pytest.raises(ValueError, match="spans 9 tokens, more than the sliding window of 8"):
-        forward(params, ids, config=small)
-    with pytest.raises(ValueError, match="a rollout row spans 10 tokens"):
-        rollout(
-            params,
-            ids[:, :6],
-            ids[:, :6],
-            jax.random.key(0),
-            model_config=small,
-            num_generations=2,
-            sampling=SamplingConfig(max_new_tokens=4, stop_token_ids=(2,)),
-        )
-    with pytest.raises(ValueError, match="sliding_window is Mistral's"):
-        preset("tiny").replace(sliding_window=8)
-
-    directory, _ = hf_checkpoint("mistral")
-    settings = [f"model.path={directory}", "rollout.max_prompt_length=120"]
-    with pytest.raises(ConfigError, match="rollout.max_prompt_length \\+ rollout.max_new_tokens"):
-        Setup(load_config(None, [*settings, "rollout.max_new_tokens=16", "train.run_dir=unused"]))
+    with pytest.raises(ValueError, match="layer_types must name 2 layers"):
+        preset("tiny").replace(sliding_window=8, layer_types=(SLIDE,))
+    with pytest.raises(ValueError, match="layer_types has sliding layers but sliding_window"):
+        preset("tiny").replace(layer_types=(SLIDE, FULL))
+    with pytest.raises(ValueError, match="hidden_act 'relu' is not supported"):
+        preset("tiny").replace(hidden_act="relu")
+    with pytest.raises(ValueError, match="final_logit_softcapping must be > 0"):
+        preset("tiny").replace(final_logit_softcapping=0.0)
+    with pytest.raises(ValueError, match="has no HF equivalent with hidden_act"):
+        preset("tiny").replace(post_norms=True).to_hf_config()

@@ -69,6 +69,38 @@ def test_the_gsm8k_tools_recipe_runs_episodes_with_the_python_tool(tmp_path):
     assert all("turns/mean" in line and "reward/correct/mean" in line for line in lines)
 
 
+def test_the_gemma3_recipe_trains_and_exports_a_gemma3_checkpoint(tmp_path):
+    """The recipe on a tiny Gemma 3 checkpoint (sliding and full layers, the window shorter
+    than its rows): two steps, and the export loads in transformers with our logits."""
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+    from tiny_hf import save_char_checkpoint
+    from transformers import AutoModelForCausalLM
+
+    from jgrpo.models.hf import from_pretrained
+
+    checkpoint = save_char_checkpoint(tmp_path / "gemma3", gemma3=True)
+    data = ROOT / "tests" / "data" / "gsm8k"
+    run_dir = tmp_path / "run"
+    lines = smoke(
+        "gsm8k-gemma3-1b.yaml",
+        run_dir,
+        f"task.path={data}",
+        f"model.path={checkpoint}",
+        "rollout.max_prompt_length=1024",  # system prompt and question, a token per character
+    )
+    assert [line["step"] for line in lines] == [1, 2]
+    assert {"reward/correct/mean", "eval/accuracy"} <= lines[-1].keys()
+    exported = from_pretrained(run_dir / "hf")
+    assert exported.config == from_pretrained(checkpoint).config
+    ids = np.arange(3, 43).reshape(2, 20)  # longer than the window of 16
+    torch_model = AutoModelForCausalLM.from_pretrained(run_dir / "hf", attn_implementation="eager")
+    with torch.no_grad():
+        expected = torch_model(torch.tensor(ids)).logits.numpy()
+    np.testing.assert_allclose(exported(jnp.asarray(ids)), expected, atol=1e-4, rtol=0)
+
+
 def test_a_jsonl_task_from_the_config(tmp_path):
     rows = [{"question": f"What is {n} + 1?", "answer": str(n + 1)} for n in range(6)]
     path = tmp_path / "mine.jsonl"

@@ -12,8 +12,9 @@ import torch
 from safetensors.numpy import load_file, save_file
 from tiny_hf import COMMON, FAMILIES
 from transformers import (
+    Gemma2ForSequenceClassification,
+    Gemma3TextForSequenceClassification,
     LlamaForSequenceClassification,
-    MistralConfig,
     MistralForSequenceClassification,
     Qwen2ForSequenceClassification,
     Qwen3ForSequenceClassification,
@@ -29,6 +30,9 @@ CLASSIFIERS = {
     "llama3": LlamaForSequenceClassification,
     "qwen2": Qwen2ForSequenceClassification,
     "qwen3": Qwen3ForSequenceClassification,
+    "mistral": MistralForSequenceClassification,
+    "gemma2": Gemma2ForSequenceClassification,
+    "gemma3": Gemma3TextForSequenceClassification,
 }
 # Real tokens of four rows; row 2 ends with the pad id itself, which transformers skips.
 ROWS = [[5, 9, 11, 40, 7, 3, 8, 60, 12], [14, 15, 16, 17, 18, 19], [30, 31, 32, PAD], [50, 51]]
@@ -38,7 +42,8 @@ def save_classifier(family, directory, *, num_labels=1, pad_token_id=PAD, seed=0
     """A random f32 *ForSequenceClassification checkpoint; norms and biases perturbed."""
     config_class, _, extra = FAMILIES[family]
     torch.manual_seed(seed)
-    config = config_class(**COMMON, **extra, num_labels=num_labels, pad_token_id=pad_token_id)
+    config = config_class(**{**COMMON, **extra}, num_labels=num_labels, pad_token_id=pad_token_id)
+    config._attn_implementation = "eager"  # soft-capping and windows as written
     model = CLASSIFIERS[family](config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -66,7 +71,7 @@ def torch_scores(model, ids, mask):
     return out.logits[:, 0].numpy()
 
 
-@pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3", "mistral", "gemma2", "gemma3"])
 @pytest.mark.parametrize("side", ["right", "left"])
 def test_scores_equal_transformers(family, side, tmp_path):
     torch_model = save_classifier(family, tmp_path)
@@ -165,16 +170,17 @@ def test_a_missing_score_head_is_named(tmp_path):
 
 
 def test_an_unsupported_architecture_is_refused(tmp_path):
-    config = MistralConfig(**COMMON, num_labels=1, pad_token_id=PAD)
-    MistralForSequenceClassification(config).save_pretrained(tmp_path)
-    with pytest.raises(CheckpointError, match=r"MistralForSequenceClassification; a reward model"):
+    save_classifier("llama3", tmp_path)
+    hf_config = json.loads((tmp_path / "config.json").read_text())
+    hf_config["architectures"] = ["Phi3ForSequenceClassification"]
+    (tmp_path / "config.json").write_text(json.dumps(hf_config))
+    with pytest.raises(CheckpointError, match=r"Phi3ForSequenceClassification; a reward model"):
         load_reward_model(tmp_path)
     # A supported architecture name over a model type we do not implement is refused too.
-    hf_config = json.loads((tmp_path / "config.json").read_text())
     hf_config["architectures"] = ["LlamaForSequenceClassification"]
-    hf_config["model_type"] = "gemma2"
+    hf_config["model_type"] = "phi3"
     (tmp_path / "config.json").write_text(json.dumps(hf_config))
-    with pytest.raises(CheckpointError, match=r"model_type 'gemma2' is not supported"):
+    with pytest.raises(CheckpointError, match=r"model_type 'phi3' is not supported"):
         load_reward_model(tmp_path)
 
 

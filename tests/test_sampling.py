@@ -50,8 +50,10 @@ def run(model, ids, mask, *, key=0, num_generations=2, **sampling):
     )
 
 
-@pytest.mark.parametrize("family", ["llama3", "qwen2"])
+@pytest.mark.parametrize("family", ["llama3", "qwen2", "gemma2", "gemma3"])
 def test_greedy_equals_transformers_generate(family, hf_checkpoint):
+    """Windows shorter than the rows (gemma: sliding and full layers), soft-capped logits
+    (gemma2)."""
     directory, torch_model = hf_checkpoint(family)
     model = from_pretrained(directory)
     ids, mask = prompts()
@@ -83,9 +85,11 @@ def full_forward_logits(model, ids, mask, result, num_generations):
     return np.asarray(logits[:, ids.shape[1] - 1 : -1])
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_logprobs_equal_a_full_forward_recompute(temperature, hf_checkpoint):
-    model = from_pretrained(hf_checkpoint("qwen3")[0])
+@pytest.mark.parametrize(
+    ("family", "temperature"), [("qwen3", 1.0), ("qwen3", 0.7), ("gemma2", 0.7)]
+)
+def test_logprobs_equal_a_full_forward_recompute(family, temperature, hf_checkpoint):
+    model = from_pretrained(hf_checkpoint(family)[0])
     ids, mask = prompts(seed=1)
     result = run(model, ids, mask, max_new_tokens=10, temperature=temperature, num_generations=3)
     logits = full_forward_logits(model, ids, mask, result, 3)

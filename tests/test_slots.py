@@ -71,7 +71,8 @@ def refill_schedule(lengths: np.ndarray, slots: int) -> np.ndarray:
 
 @pytest.mark.parametrize(
     ("family", "settings"),
-    [("qwen3", {}), ("llama3", {"top_k": 20, "top_p": 0.9})],  # q/k norm; filters on
+    # q/k norm; filters on; windows per row (slots at their own positions)
+    [("qwen3", {}), ("llama3", {"top_k": 20, "top_p": 0.9}), ("gemma3", {})],
 )
 def test_slots_draw_the_tokens_of_the_all_rows_loop(family, settings, hf_checkpoint):
     """Each row's tokens depend on the seed, the prompt and the row, not on the slot that ran
@@ -84,7 +85,8 @@ def test_slots_draw_the_tokens_of_the_all_rows_loop(family, settings, hf_checkpo
     assert len(set(lengths.tolist())) >= 5 and lengths.min() >= 1  # ragged
     assert 0 < np.asarray(everything.truncated).sum() < len(lengths)
     np.testing.assert_array_equal(everything.finished_at, lengths - 1)
-    for slots in (1, 3, 5):
+    # one slot count for gemma3: its windows per row are what it adds (5 layers compile slowly)
+    for slots in (3,) if family == "gemma3" else (1, 3, 5):
         result = sample(model, slots, **settings)
         for name in ("tokens", "mask", "lengths", "truncated", "group_ids"):
             np.testing.assert_array_equal(getattr(result, name), getattr(everything, name), name)

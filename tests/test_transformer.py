@@ -20,6 +20,7 @@ from jgrpo.models.transformer import (
     Transformer,
     attention_inputs,
     forward,
+    gated_projection,
     init_cache,
     inverse_frequencies,
     normed_projections,
@@ -27,7 +28,6 @@ from jgrpo.models.transformer import (
     rms_norm,
     rope_tables,
     softmax,
-    swiglu_projection,
 )
 
 
@@ -67,6 +67,29 @@ def test_logits_match_transformers(family, hf_checkpoint):
     # The padded row equals the same tokens run alone, unpadded.
     alone = np.asarray(model(jnp.asarray(ids[1:, 4:])))
     np.testing.assert_allclose(got[1, 4:], alone[0], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("family", "switches"),
+    [
+        ("mistral", {"sliding_window": None}),
+        ("gemma2", {"sliding_window": None, "layer_types": None}),
+        ("gemma2", {"attn_logit_softcapping": None}),
+        ("gemma2", {"final_logit_softcapping": None}),
+        ("gemma3", {"sliding_window": None, "layer_types": None}),
+        ("gemma3", {"rope_local_theta": None}),
+        ("gemma3", {"query_pre_attn_scalar": None}),
+    ],
+)
+def test_the_parity_tests_exercise_each_switch(family, switches, hf_checkpoint):
+    """Turning a switch off changes the tiny checkpoints' logits well past the parity
+    tolerance: the windows are shorter than the tests' rows, the caps small enough to bite."""
+    model = from_pretrained(hf_checkpoint(family)[0])
+    ids, _ = batch()
+    params = model.params()
+    on = forward(params, jnp.asarray(ids), config=model.config)
+    off = forward(params, jnp.asarray(ids), config=model.config.replace(**switches))
+    assert np.abs(np.asarray(on) - np.asarray(off)).max() > 1e-2
 
 
 def test_llama3_rope_scaling_changes_frequencies():
@@ -123,13 +146,16 @@ def test_bf16_parameters_stay_close_to_f32(hf_checkpoint):
 
 def test_hidden_states_feed_the_chunked_logprobs(hf_checkpoint):
     """Training never builds [B, T, V]: hidden states + unembedding give the same log-probs."""
-    for family in ("llama3", "qwen2"):  # untied and tied embeddings
+    for family in ("llama3", "qwen2", "gemma2"):  # untied, tied embeddings; capped logits
         model = from_pretrained(hf_checkpoint(family)[0])
         ids, mask = batch()
         targets = jnp.asarray(np.roll(ids, -1, axis=1))
         hidden = model(jnp.asarray(ids), attention_mask=jnp.asarray(mask), return_hidden=True)
         logits = model(jnp.asarray(ids), attention_mask=jnp.asarray(mask))
-        chunked = jgrpo.chunked_token_logprobs(hidden, model.unembedding, targets, chunk_size=32)
+        softcap = model.config.final_logit_softcapping
+        chunked = jgrpo.chunked_token_logprobs(
+            hidden, model.unembedding, targets, chunk_size=32, softcap=softcap
+        )
         full = jgrpo.token_logprobs(logits, targets)
         np.testing.assert_allclose(chunked[0], full[0], atol=1e-5)
 
@@ -178,31 +204,40 @@ def test_attention_softmax_matches_jax_and_keeps_only_its_output(capsys):
     assert saved_shapes(capsys, loss(softmax), scores, values) == ["f32[3,5]", "f32[5,4]"]
 
 
-def test_swiglu_projection_recomputes_its_input_in_the_backward_pass(capsys):
+@pytest.mark.parametrize(
+    ("activation", "reference"),
+    [("silu", jax.nn.silu), ("gelu_pytorch_tanh", lambda x: jax.nn.gelu(x, approximate=True))],
+)
+def test_gated_projection_recomputes_its_input_in_the_backward_pass(activation, reference, capsys):
+    """SwiGLU and GeGLU (Gemma's tanh GELU, the same as torch's, below)."""
     rng = np.random.default_rng(1)
     gate, up = (jnp.asarray(rng.normal(size=(3, 6)) * 3, jnp.float32) for _ in range(2))
     down = jnp.asarray(rng.normal(size=(6, 4)), jnp.float32)
+
+    def ours_fn(g, u, w):
+        return gated_projection(g, u, w, activation)
 
     def loss(fn):
         return lambda g, u, w: fn(g, u, w).sum()
 
     def plain(g, u, w):
-        return (jax.nn.silu(g) * u) @ w
+        return (reference(g) * u) @ w
 
-    np.testing.assert_allclose(
-        swiglu_projection(gate, up, down), plain(gate, up, down), rtol=1e-6, atol=1e-6
-    )
-    ours = jax.grad(loss(swiglu_projection), argnums=(0, 1, 2))(gate, up, down)
-    reference = jax.grad(loss(plain), argnums=(0, 1, 2))(gate, up, down)
-    for a, b in zip(ours, reference, strict=True):
+    np.testing.assert_allclose(ours_fn(gate, up, down), plain(gate, up, down), rtol=1e-6, atol=1e-6)
+    ours = jax.grad(loss(ours_fn), argnums=(0, 1, 2))(gate, up, down)
+    expected = jax.grad(loss(plain), argnums=(0, 1, 2))(gate, up, down)
+    for a, b in zip(ours, expected, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
-    # gate, up and the kernel: neither silu's intermediates nor the product's input.
-    assert saved_shapes(capsys, loss(swiglu_projection), gate, up, down) == [
+    # gate, up and the kernel: neither the activation's intermediates nor the product's input.
+    assert saved_shapes(capsys, loss(ours_fn), gate, up, down) == [
         "f32[3,6]",
         "f32[3,6]",
         "f32[6,4]",
     ]
     assert saved_shapes(capsys, loss(plain), gate, up, down).count("f32[3,6]") > 3
+    torch_gate = torch.nn.functional.gelu(torch.tensor(np.asarray(gate)), approximate="tanh")
+    if activation == "gelu_pytorch_tanh":
+        np.testing.assert_allclose(reference(gate), torch_gate.numpy(), rtol=1e-6, atol=1e-6)
 
 
 def test_rms_norm_recomputes_the_normalised_input_in_the_backward_pass(capsys):

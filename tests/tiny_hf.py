@@ -2,8 +2,10 @@
 
 Each family exercises its switches: Llama with Llama 3 rope scaling and untied embeddings,
 Qwen2 with q/k/v bias and tied embeddings, Qwen3 with q/k norm and head_dim != E / H, Mistral
-with its sliding window (longer than the tests' sequences); all with grouped-query attention
-(2 kv heads for 4 query heads).
+with a sliding window shorter than the tests' sequences; Gemma 2 with a sliding layer before a
+full one, both soft-caps and a query scale of its own; Gemma 3 with q/k norm, five layers of
+both kinds in an uneven order (so the layer loop scans), a RoPE base per kind and linear
+scaling on the full layers; all with grouped-query attention (2 kv heads for 4 query heads).
 """
 
 import pathlib
@@ -11,6 +13,10 @@ import pathlib
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -35,6 +41,7 @@ COMMON = dict(
     bos_token_id=1,
     eos_token_id=2,
 )
+SLIDE, FULL = "sliding_attention", "full_attention"
 LLAMA3_ROPE = {
     "rope_type": "llama3",
     "factor": 8.0,
@@ -50,11 +57,36 @@ FAMILIES = {
     ),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, dict(tie_word_embeddings=True, rope_theta=1e6)),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(tie_word_embeddings=False, head_dim=32)),
-    # a window longer than any test's sequence: full attention equals it
     "mistral": (
         MistralConfig,
         MistralForCausalLM,
-        dict(tie_word_embeddings=False, sliding_window=128),
+        dict(tie_word_embeddings=False, sliding_window=6),
+    ),
+    "gemma2": (  # layer_types by default: sliding, full
+        Gemma2Config,
+        Gemma2ForCausalLM,
+        dict(
+            head_dim=16,
+            sliding_window=5,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=2.0,  # small caps, so that they change the tiny model
+            final_logit_softcapping=3.0,
+        ),
+    ),
+    "gemma3": (
+        Gemma3TextConfig,
+        Gemma3ForCausalLM,
+        dict(
+            head_dim=32,
+            num_hidden_layers=5,
+            layer_types=[SLIDE, SLIDE, FULL, SLIDE, FULL],
+            sliding_window=4,
+            query_pre_attn_scalar=20,
+            rope_parameters={
+                FULL: {"rope_type": "linear", "factor": 2.0, "rope_theta": 100_000.0},
+                SLIDE: {"rope_type": "default", "rope_theta": 10_000.0},
+            },
+        ),
     ),
 }
 
@@ -63,7 +95,9 @@ def make_torch_model(family: str, seed: int = 0) -> torch.nn.Module:
     """A random f32 model; norm scales and biases are perturbed so they matter."""
     config_class, model_class, extra = FAMILIES[family]
     torch.manual_seed(seed)
-    model = model_class(config_class(**COMMON, **extra)).eval()
+    config = config_class(**{**COMMON, **extra})
+    config._attn_implementation = "eager"  # soft-capping and windows as written, no kernels
+    model = model_class(config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name or "bias" in name:
@@ -91,10 +125,13 @@ def save_checkpoint(family: str, directory: pathlib.Path, *, with_tokenizer=Fals
     return model
 
 
-def save_char_checkpoint(directory: pathlib.Path, *, tied: bool = False) -> pathlib.Path:
+def save_char_checkpoint(
+    directory: pathlib.Path, *, tied: bool = False, gemma3: bool = False
+) -> pathlib.Path:
     """A tiny random jgrpo model saved in HF format with a character tokenizer that has a chat
     template: what a real instruct checkpoint offers, loadable through `model.path=`;
-    `tied`: with tied input and output embeddings (as the small Qwen and Llama 3.2 have)."""
+    `tied`: with tied input and output embeddings (as the small Qwen and Llama 3.2 have);
+    `gemma3`: a Gemma 3 (text) of the same size, a sliding layer before a full one."""
     from flax import nnx
 
     from jgrpo import models
@@ -108,6 +145,20 @@ def save_char_checkpoint(directory: pathlib.Path, *, tied: bool = False) -> path
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=tied,
     )
+    if gemma3:
+        config = config.replace(
+            model_type="gemma3_text",
+            qk_norm=True,
+            tie_word_embeddings=True,
+            sliding_window=16,
+            layer_types=("sliding_attention", "full_attention"),
+            rope_local_theta=10_000.0,
+            hidden_act="gelu_pytorch_tanh",
+            norm_weight_offset=1.0,
+            post_norms=True,
+            scale_embeddings=True,
+            query_pre_attn_scalar=16,
+        )
     models.save_pretrained(models.Transformer(config, rngs=nnx.Rngs(0)), directory)
     tokenizer.save_pretrained(directory)
     return directory
