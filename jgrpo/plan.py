@@ -208,7 +208,8 @@ def plan_memory(setup: Setup, micro_batch_candidates: Sequence[int] = ()) -> Mem
     with rules_context(mesh):  # one device's share of the prompt and completion caches
         prompt_cache = kv_cache_bytes(prompts, length, mc, c.model.dtype)
         slots = concurrent_rows(setup.sampling.max_concurrent, rows) or rows
-        kv_cache = prompt_cache + kv_cache_bytes(slots, new_tokens, mc, c.model.dtype)
+        completion_cache = kv_cache_bytes(slots, new_tokens, mc, c.model.dtype, completion=True)
+        kv_cache = prompt_cache + completion_cache
     reward_params, reward_scratch = reward_model_memory(c, mesh)
     plan = MemoryPlan(
         mesh=dict(mesh.shape),

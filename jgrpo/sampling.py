@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jgrpo.models.config import ModelConfig
 from jgrpo.models.group_decode import (
     cache_bytes_per_slot,
+    completion_cache_bytes,
     decode_layers,
     decode_logits,
     decode_rope_tables,
@@ -226,13 +227,20 @@ def attention_phases(max_new_tokens: int, cache_bytes: int | None = None) -> lis
     return [*range(size, max_new_tokens, size), max_new_tokens]
 
 
-def kv_cache_bytes(rows: int, slots: int, config: ModelConfig, dtype) -> int:
+def kv_cache_bytes(
+    rows: int, slots: int, config: ModelConfig, dtype, *, completion: bool = False
+) -> int:
     """Bytes of KV cache (`rows` rows of `slots` slots, every layer's keys and values) that
-    one device holds. Under a mesh and logical rules (`jgrpo.sharding.rules_context`) the
-    caches split as `jgrpo.models.group_decode` places them: rows over the batch axes and kv heads
-    over `tensor`, where those axes divide them. Used by the rollout (while tracing) and the
+    one device holds; `completion`: completion caches, whose sliding layers keep their
+    window's slots only (`completion_cache_bytes`), rather than prompt caches. Under a mesh
+    and logical rules (`jgrpo.sharding.rules_context`) the caches split as
+    `jgrpo.models.group_decode` places them: rows over the batch axes and kv heads over
+    `tensor`, where those axes divide them. Used by the rollout (while tracing) and the
     memory plan."""
-    total = rows * slots * cache_bytes_per_slot(config, dtype)
+    if completion:
+        total = rows * completion_cache_bytes(config, slots, dtype)
+    else:
+        total = rows * slots * cache_bytes_per_slot(config, dtype)
     return total // traced_shard_count((rows, config.num_kv_heads), ("batch", "kv_heads"))
 
 
@@ -391,7 +399,7 @@ def rollout(
     softcap = model_config.final_logit_softcapping  # Gemma 2 caps its logits
     # Prefill: P rows; the G rows of a prompt share its cache and start from its last logits.
     slots = concurrent_rows(sampling.max_concurrent, rows)  # None: every row at once
-    cache_bytes = kv_cache_bytes(rows, steps, model_config, params["embed"].dtype)
+    cache_bytes = kv_cache_bytes(rows, steps, model_config, params["embed"].dtype, completion=True)
     # one device's completion caches decide; slots hold whole completions from the start
     phases = attention_phases(steps, cache_bytes) if slots is None else [steps]
     hidden, cache = prefill(
@@ -507,7 +515,7 @@ def rollout(
         final = jax.lax.while_loop(
             lambda state, end=end: keep_going(state) & (state["step"] <= end),
             decode_step_and_sample,
-            dict(final, cache=grow_completion_cache(final["cache"], end)),
+            dict(final, cache=grow_completion_cache(final["cache"], end, model_config)),
         )
     lengths = final["lengths"]
     return Rollout(

@@ -28,7 +28,13 @@ from jgrpo.config import Config, ConfigError
 from jgrpo.generation import encode_prompts, stop_token_ids
 from jgrpo.loading import build_task, load_policy
 from jgrpo.models.group_forward import PackedCompletions
-from jgrpo.models.lora import adapter_axes, init_adapters, merge_adapters, with_adapters
+from jgrpo.models.lora import (
+    adapter_axes,
+    adapter_specs,
+    init_adapters,
+    merge_adapters,
+    with_adapters,
+)
 from jgrpo.models.transformer import with_rounded_weights
 from jgrpo.packing import packed_row_counts
 from jgrpo.programs import Programs
@@ -160,7 +166,9 @@ def decode_slots(config: Config, model_config, mesh, prompt_width: int) -> int:
     dtype = config.model.dtype
     with rules_context(mesh):  # one device's share, as the rollout places the caches
         prompts = kv_cache_bytes(r.prompts_per_step, prompt_width, model_config, dtype)
-        per_shard_slot = kv_cache_bytes(shards, r.max_new_tokens, model_config, dtype)
+        per_shard_slot = kv_cache_bytes(
+            shards, r.max_new_tokens, model_config, dtype, completion=True
+        )
     budget = int(r.kv_cache_mib * 2**20)
     slots = shards * max(0, (budget - prompts) // per_shard_slot)
     if slots < shards:
@@ -199,6 +207,11 @@ class Setup(Programs):
         self.model, self.tokenizer = load_policy(config, self.task, self.mesh)
         self.model_config = self.model.config
         self.lora = config.model.lora  # None: full fine-tuning
+        if self.lora is not None:
+            try:
+                adapter_specs(self.model_config, self.lora)
+            except ValueError as error:  # targets the model does not have (experts' MLP)
+                raise ConfigError(str(error)) from None
         self.check_prompts()
         self.environment = self.episode_environment()  # None: single-turn
         self.tool_schemas = tool_schemas(self.task.tools) if self.task.tools else None

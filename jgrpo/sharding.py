@@ -42,6 +42,7 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("length", None),
     ("head_dim", None),
     ("lora_rank", None),  # LoRA adapters' rank: small, replicated
+    ("expert", None),  # mixture of experts: each expert's weights split as a dense MLP's
 )
 
 

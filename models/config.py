@@ -1,8 +1,9 @@
-"""ModelConfig: one decoder description for the Llama, Qwen2/2.5, Qwen3, Mistral and
+"""ModelConfig: one decoder description for the Llama, Qwen2/2.5, Qwen3, Qwen3-MoE, Mistral and
 Gemma 2/3 families.
 
 The families differ by switches (q/k/v bias, q/k RMSNorm, tied embeddings, rope scaling,
-sliding-window layers, Gemma's norms, GeGLU and soft-capping), not by code.
+sliding-window layers, Gemma's norms, GeGLU and soft-capping, a mixture of experts), not by
+code.
 `from_hf_config` / `to_hf_config` translate to and from a Hugging Face `config.json`, in both
 the transformers 4 (`rope_theta`, `rope_scaling`, `rope_local_base_freq`) and 5
 (`rope_parameters`, per layer type for Gemma 3) spellings.
@@ -14,11 +15,12 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "gemma2", "gemma3_text")
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
     "mistral": "MistralForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
@@ -83,6 +85,13 @@ class ModelConfig:
     query_pre_attn_scalar: int | None = None  # attention scale s^-1/2; None: head_dim^-1/2
     attn_logit_softcapping: float | None = None  # scores -> c tanh(scores / c)
     final_logit_softcapping: float | None = None  # logits -> c tanh(logits / c)
+    # Mixture of experts (Qwen3-MoE): every layer's MLP is `num_experts` gated MLPs of
+    # `moe_intermediate_size`, of which a router picks `experts_per_token` per token and
+    # weighs them by its softmax (renormalised over the chosen when `norm_topk_prob`).
+    num_experts: int = 0  # 0: one dense MLP of intermediate_size
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -133,6 +142,17 @@ class ModelConfig:
                 f"hidden_act {self.hidden_act!r} is not supported; supported: "
                 f"{', '.join(ACTIVATIONS)}."
             )
+        if self.num_experts:
+            if not 0 < self.experts_per_token <= self.num_experts:
+                raise ValueError(
+                    f"experts_per_token must be in [1, num_experts={self.num_experts}], got "
+                    f"{self.experts_per_token}."
+                )
+            if self.moe_intermediate_size < 1:
+                raise ValueError(
+                    f"moe_intermediate_size must be a positive int, got "
+                    f"{self.moe_intermediate_size!r}."
+                )
         for name in (
             "query_pre_attn_scalar",
             "attn_logit_softcapping",
@@ -170,7 +190,10 @@ class ModelConfig:
         attention = e * h * d * 2 + e * kv * d * 2
         attention += (h + 2 * kv) * d if self.qkv_bias else 0
         attention += 2 * d if self.qk_norm else 0
-        layer = attention + 3 * e * m + (4 if self.post_norms else 2) * e
+        mlp = 3 * e * m
+        if self.num_experts:  # the experts and the router
+            mlp = self.num_experts * 3 * e * self.moe_intermediate_size + e * self.num_experts
+        layer = attention + mlp + (4 if self.post_norms else 2) * e
         embeddings = self.vocab_size * e * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * layer + embeddings + e
 
@@ -220,6 +243,12 @@ class ModelConfig:
             )
 
         num_layers = hf["num_hidden_layers"]
+        moe = model_type == "qwen3_moe"
+        if moe and (hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers")):
+            raise ValueError(
+                "decoder_sparse_step != 1 or mlp_only_layers (dense MLP layers between the "
+                "mixture-of-experts ones) is not supported: every layer must be sparse."
+            )
         sliding_window = hf.get("sliding_window") if model_type == "mistral" or gemma else None
         layer_types = None
         if gemma:
@@ -268,7 +297,7 @@ class ModelConfig:
             rope_scaling=scaling,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             qkv_bias=model_type == "qwen2",
-            qk_norm=model_type in ("qwen3", "gemma3_text"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
             bos_token_id=hf.get("bos_token_id"),
@@ -286,13 +315,17 @@ class ModelConfig:
             ),
             attn_logit_softcapping=_optional_float(hf.get("attn_logit_softcapping")),
             final_logit_softcapping=_optional_float(hf.get("final_logit_softcapping")),
+            num_experts=(hf.get("num_experts") or hf.get("num_local_experts") or 0) if moe else 0,
+            experts_per_token=hf["num_experts_per_tok"] if moe else 0,
+            moe_intermediate_size=hf["moe_intermediate_size"] if moe else 0,
+            norm_topk_prob=bool(hf.get("norm_topk_prob", False)) if moe else False,
         )
 
     def to_hf_config(self) -> dict[str, Any]:
         """The `config.json` dict that transformers loads into the same architecture."""
         gemma = self.model_type in GEMMA_TYPES
         if self.qkv_bias != (self.model_type == "qwen2") or self.qk_norm != (
-            self.model_type in ("qwen3", "gemma3_text")
+            self.model_type in ("qwen3", "qwen3_moe", "gemma3_text")
         ):
             raise ValueError(
                 f"qkv_bias={self.qkv_bias}, qk_norm={self.qk_norm} has no HF equivalent for "
@@ -339,6 +372,20 @@ class ModelConfig:
             config["attention_bias"] = False
         if self.model_type == "mistral":
             config["sliding_window"] = self.sliding_window
+        if (self.model_type == "qwen3_moe") != bool(self.num_experts):
+            raise ValueError(
+                f"num_experts={self.num_experts} has no HF equivalent for model_type "
+                f"{self.model_type!r} (qwen3_moe has experts, the others a dense MLP)."
+            )
+        if self.num_experts:
+            config.update(
+                num_experts=self.num_experts,
+                num_experts_per_tok=self.experts_per_token,
+                moe_intermediate_size=self.moe_intermediate_size,
+                norm_topk_prob=self.norm_topk_prob,
+                decoder_sparse_step=1,
+                mlp_only_layers=[],
+            )
         if gemma:
             config.update(
                 hidden_activation=self.hidden_act,
@@ -502,6 +549,24 @@ PRESETS: dict[str, ModelConfig] = {
         rms_norm_eps=1e-5,
         tie_word_embeddings=True,
         max_position_embeddings=131_072,
+    ),
+    # Qwen3-30B-A3B: 128 experts of 768 per layer, 8 per token (3.3B parameters active).
+    "qwen3-30b-a3b": ModelConfig(
+        model_type="qwen3_moe",
+        vocab_size=151_936,
+        hidden_size=2048,
+        intermediate_size=6144,  # in config.json, unused: every layer is sparse
+        num_layers=48,
+        num_heads=32,
+        num_kv_heads=4,
+        head_dim=128,
+        rope_theta=1_000_000.0,
+        qk_norm=True,
+        max_position_embeddings=40_960,
+        num_experts=128,
+        experts_per_token=8,
+        moe_intermediate_size=768,
+        norm_topk_prob=True,
     ),
     # Gemma: sliding-window layers (every sixth full in Gemma 3, every second in Gemma 2).
     "gemma3-270m": ModelConfig(

@@ -37,6 +37,7 @@ from jgrpo.models.transformer import (
     constrain,
     forward,
     input_embeddings,
+    mixture_of_experts,
     norm_scale,
     rms_norm,
     rope_tables,
@@ -61,6 +62,21 @@ class GroupCache(NamedTuple):
 def cache_bytes_per_slot(config: ModelConfig, dtype) -> int:
     """Bytes of one token slot of a row's KV cache: keys and values of every layer."""
     return 2 * config.num_layers * config.num_kv_heads * config.head_dim * jnp.dtype(dtype).itemsize
+
+
+def completion_slots(config: ModelConfig, layer: int, tokens: int) -> int:
+    """The slots of `layer`'s completion buffers for `tokens` completion tokens: a sliding
+    layer keeps its window's only, a ring in which token t sits at slot t mod W."""
+    if config.sliding_layers[layer]:
+        return min(tokens, config.sliding_window)
+    return tokens
+
+
+def completion_cache_bytes(config: ModelConfig, tokens: int, dtype) -> int:
+    """Bytes of one row's completion caches for `tokens` tokens: every layer's keys and
+    values, a sliding layer's for its window at most (`completion_slots`)."""
+    per_slot = cache_bytes_per_slot(config, dtype) // config.num_layers  # one layer's
+    return per_slot * sum(completion_slots(config, i, tokens) for i in range(config.num_layers))
 
 
 def decode_layers(params: dict, config: ModelConfig, matmul_dtype=None) -> list[dict]:
@@ -99,9 +115,14 @@ def decode_layers(params: dict, config: ModelConfig, matmul_dtype=None) -> list[
             "qkv": rows_of(p["q_kernel"], p["k_kernel"], p["v_kernel"]),  # [(H + 2K) * D, E]
             "o": rows_of(p["o_kernel"].reshape(-1, config.hidden_size)),  # [E, H*D]
             "mlp_norm": column(p["mlp_norm"]),
-            "gate_up": rows_of(p["gate_kernel"], p["up_kernel"]),  # [2M, E]
-            "down": rows_of(p["down_kernel"]),  # [E, M]
         }
+        if config.num_experts:  # the experts' stacked weights as they are (`decode_step`)
+            for name in ("expert_gate_kernel", "expert_up_kernel", "expert_down_kernel"):
+                layer[name] = p[name] if matmul_dtype is None else p[name].astype(matmul_dtype)
+            layer["router"] = p["router"]
+        else:
+            layer["gate_up"] = rows_of(p["gate_kernel"], p["up_kernel"])  # [2M, E]
+            layer["down"] = rows_of(p["down_kernel"])  # [E, M]
         if config.qkv_bias:
             biases = [p[name].reshape(-1) for name in ("q_bias", "k_bias", "v_bias")]
             layer["qkv_bias"] = jnp.concatenate(biases)[:, None]  # [(H + 2K) * D, 1]
@@ -173,37 +194,46 @@ def prefill(
     prompts = prompt_ids.shape[0]
     rows, kv_heads, dim = prompts * num_generations, config.num_kv_heads, config.head_dim
     rows = rows if completion_rows is None else completion_rows
-    keys_shape = (rows, kv_heads, dim, max_new_tokens)  # transposed: slots minor
-    values_shape = (rows, kv_heads, max_new_tokens, dim)
     layers = range(config.num_layers)
+
+    def empty_keys(i):  # [B, K, D, N_i]: transposed, slots minor
+        shape = (rows, kv_heads, dim, completion_slots(config, i, max_new_tokens))
+        return constrain(jnp.zeros(shape, dtype), _KEYS_T_AXES)
+
+    def empty_values(i):  # [B, K, N_i, D]
+        shape = (rows, kv_heads, completion_slots(config, i, max_new_tokens), dim)
+        return constrain(jnp.zeros(shape, dtype), _CACHE_AXES)
+
     cache = GroupCache(
         prompt_k=tuple(constrain(k[i].astype(dtype), _CACHE_AXES) for i in layers),
         prompt_v=tuple(constrain(v[i].astype(dtype), _CACHE_AXES) for i in layers),
-        completion_k=tuple(constrain(jnp.zeros(keys_shape, dtype), _KEYS_T_AXES) for _ in layers),
-        completion_v=tuple(constrain(jnp.zeros(values_shape, dtype), _CACHE_AXES) for _ in layers),
+        completion_k=tuple(map(empty_keys, layers)),
+        completion_v=tuple(map(empty_values, layers)),
     )
     return hidden[:, -1], cache
 
 
-def grow_completion_cache(cache: GroupCache, slots: int) -> GroupCache:
-    """`cache` with each layer's completion buffers zero-padded to `slots` slots.
+def grow_completion_cache(cache: GroupCache, tokens: int, config: ModelConfig) -> GroupCache:
+    """`cache` with each layer's completion buffers zero-padded to hold `tokens` tokens
+    (`completion_slots`: a sliding layer's never beyond its window).
 
     A decode loop in phases starts with a few slots and grows the buffers between phases, so
     that attention reads only the slots a phase can have written. (Reading a slice of a buffer
     that the loop also updates in place made XLA:CPU copy the buffer twice a step.)
     """
 
-    def grow_keys(x: jax.Array) -> jax.Array:  # [B, K, D, N] -> [B, K, D, slots]
+    def grow_keys(x: jax.Array, slots: int) -> jax.Array:  # [B, K, D, N] -> [B, K, D, slots]
         padding = ((0, 0), (0, 0), (0, 0), (0, slots - x.shape[3]))
         return constrain(jnp.pad(x, padding), _KEYS_T_AXES)
 
-    def grow_values(x: jax.Array) -> jax.Array:  # [B, K, N, D] -> [B, K, slots, D]
+    def grow_values(x: jax.Array, slots: int) -> jax.Array:  # [B, K, N, D] -> [B, K, slots, D]
         padding = ((0, 0), (0, 0), (0, slots - x.shape[2]), (0, 0))
         return constrain(jnp.pad(x, padding), _CACHE_AXES)
 
+    slots = [completion_slots(config, i, tokens) for i in range(config.num_layers)]
     return cache._replace(
-        completion_k=tuple(map(grow_keys, cache.completion_k)),
-        completion_v=tuple(map(grow_values, cache.completion_v)),
+        completion_k=tuple(map(grow_keys, cache.completion_k, slots)),
+        completion_v=tuple(map(grow_values, cache.completion_v, slots)),
     )
 
 
@@ -222,7 +252,9 @@ def decode_step(
 ) -> tuple[jax.Array, GroupCache]:
     """Feeds one token per row; returns the final hidden states, feature-major [E, P*G] (for
     `decode_logits`), and the cache with completion slot `slot` written. Rows attend to their
-    prompt and completion slots <= slot.
+    prompt and completion slots <= slot. A sliding layer's token attends to the W - 1 before
+    it only, and its completion buffers are rings of at most W slots (`completion_slots`):
+    token `slot` is written at slot mod W over the token W before it.
 
     A slot rollout (`jgrpo.sampling`) passes `slot` per row, int32[B] (each row is at its
     own position), and `prompt_rows`, the prompt each row continues: a row then reads its
@@ -243,23 +275,28 @@ def decode_step(
     rows = tokens.shape[0]
     heads, kv_heads, dim = config.num_heads, config.num_kv_heads, config.head_dim
     per_row = prompt_rows is not None
-    slots = jnp.arange(cache.completion_v[0].shape[2])
-    distance = slot[:, None] - slots[None, :] if per_row else slot - slots  # [B, N] | [N]
-    completion_mask = distance >= 0
+    query = slot[:, None] if per_row else slot  # [B, 1] | scalar
     if per_row:
         prompt_mask = jnp.take(prompt_mask, prompt_rows, axis=0)  # [B, Lp]
-    masks = {False: (prompt_mask, completion_mask)}
-    if config.sliding_window is not None:
+    # Per layer kind: the prompt's mask, the completion buffers' mask, where `slot` is written.
+    masks = {}
+    for i, is_sliding in enumerate(config.sliding_layers):
+        if is_sliding in masks:
+            continue
+        buffer = jnp.arange(cache.completion_v[i].shape[2])  # [N_i]
+        if not is_sliding:
+            masks[False] = (prompt_mask, buffer <= query, slot)  # [B, N] | [N]
+            continue
         # A sliding layer keeps keys fewer than W slots back: prompt slot j lies Lp + slot - j
-        # before the query (prompts are left-padded, so slots and positions agree).
+        # before the query (prompts are left-padded, so slots and positions agree); its ring
+        # holds the W latest tokens once `slot` reaches W, the slots <= `slot` before.
         window = config.sliding_window
         prompt_slots = prompt_mask.shape[-1]
-        prompt_distance = (
-            prompt_slots - jnp.arange(prompt_slots) + (slot[:, None] if per_row else slot)
-        )
+        prompt_distance = prompt_slots - jnp.arange(prompt_slots) + query  # [B, Lp] | [Lp]
         masks[True] = (
             prompt_mask * (prompt_distance < window),  # [P | B, Lp]
-            completion_mask & (distance < window),
+            (buffer <= query) | (query >= window),
+            slot % window,
         )
     cos_sin = {
         kind: tuple(jnp.take(table, positions, axis=0)[:, None] for table in tables)
@@ -271,7 +308,7 @@ def decode_step(
     for i, layer in enumerate(layers):
         is_sliding = config.sliding_layers[i]
         cos, sin = cos_sin[is_sliding]
-        layer_prompt_mask, layer_completion_mask = masks[is_sliding]
+        layer_prompt_mask, layer_completion_mask, written = masks[is_sliding]
         h = rms_norm(x, layer["attn_norm"], eps, axis=0)  # [E, B]
         qkv = _times(layer["qkv"], h)  # [(H + 2K) * D, B]
         if config.qkv_bias:
@@ -286,13 +323,13 @@ def decode_step(
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin).transpose(0, 2, 3, 1)  # [B, K, D, 1]: cached transposed
         if per_row:
-            completion_k = write_rows(cache.completion_k[i], k[..., 0], slot, axis=3)
-            completion_v = write_rows(cache.completion_v[i], v[:, :, 0], slot, axis=2)
+            completion_k = write_rows(cache.completion_k[i], k[..., 0], written, axis=3)
+            completion_v = write_rows(cache.completion_v[i], v[:, :, 0], written, axis=2)
             prompt_k = jnp.take(cache.prompt_k[i], prompt_rows, axis=0)  # [B, K, Lp, D]
             prompt_v = jnp.take(cache.prompt_v[i], prompt_rows, axis=0)
         else:
-            completion_k = write_slice(cache.completion_k[i], k, (0, 0, 0, slot))
-            completion_v = write_slice(cache.completion_v[i], v, (0, 0, slot, 0))
+            completion_k = write_slice(cache.completion_k[i], k, (0, 0, 0, written))
+            completion_v = write_slice(cache.completion_v[i], v, (0, 0, written, 0))
             prompt_k, prompt_v = cache.prompt_k[i], cache.prompt_v[i]
         attention = shared_prefix_attention(
             q,
@@ -311,9 +348,12 @@ def decode_step(
             out = rms_norm(out, layer["post_attn_norm"], eps, axis=0)
         x = x + out
         h = rms_norm(x, layer["mlp_norm"], eps, axis=0)
-        gate, up = jnp.split(_times(layer["gate_up"], h), 2)  # [M, B] each
-        hidden = constrain(activate(gate, config.hidden_act) * up, ("mlp", "batch"))
-        out = _times(layer["down"], hidden)  # [E, B]
+        if config.num_experts:  # the rows' chosen experts, row-major as in the forward pass
+            out = row_major(mixture_of_experts(config, layer, row_major(h.T)).T)  # [E, B]
+        else:
+            gate, up = jnp.split(_times(layer["gate_up"], h), 2)  # [M, B] each
+            hidden = constrain(activate(gate, config.hidden_act) * up, ("mlp", "batch"))
+            out = _times(layer["down"], hidden)  # [E, B]
         if config.post_norms:
             out = rms_norm(out, layer["post_mlp_norm"], eps, axis=0)
         x = _feature_major(x + out)

@@ -49,6 +49,12 @@ PARAM_TO_HF: dict[str, str] = {
     "layers.gate_kernel": _LAYER + "mlp.gate_proj.weight",
     "layers.up_kernel": _LAYER + "mlp.up_proj.weight",
     "layers.down_kernel": _LAYER + "mlp.down_proj.weight",
+    # mixture of experts (Qwen3-MoE): the router, and expert {x}'s projections, one HF tensor
+    # each, stacked into one [X, ...] weight per projection on our side
+    "layers.router": _LAYER + "mlp.gate.weight",
+    "layers.expert_gate_kernel": _LAYER + "mlp.experts.{x}.gate_proj.weight",
+    "layers.expert_up_kernel": _LAYER + "mlp.experts.{x}.up_proj.weight",
+    "layers.expert_down_kernel": _LAYER + "mlp.experts.{x}.down_proj.weight",
     "score": "score.weight",  # the head of *ForSequenceClassification (reward models)
 }
 # Gemma 2/3 normalise both sides of each sub-block: their `post_attention_layernorm` is the
@@ -91,19 +97,33 @@ def _param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _hf_names(path: str, config: ModelConfig) -> list[str]:
+def _hf_entries(path: str, config: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
+    """(HF tensor name, index into our stacked parameter) of every tensor `path` gathers:
+    one per layer for a layer parameter, one per layer and expert for an expert's."""
     if config.post_norms and path in POST_NORM_TO_HF:
         template = POST_NORM_TO_HF[path]
     else:
         template = PARAM_TO_HF[path]
+    if path.startswith("layers.expert_"):
+        return [
+            (template.format(i=i, x=x), (i, x))
+            for i in range(config.num_layers)
+            for x in range(config.num_experts)
+        ]
     if path.startswith("layers."):
-        return [template.format(i=i) for i in range(config.num_layers)]
-    return [template]
+        return [(template.format(i=i), (i,)) for i in range(config.num_layers)]
+    return [(template, ())]
+
+
+def _item_shape(path: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of one HF tensor's part of a (per-layer) parameter: an expert's kernel."""
+    return shape[1:] if path.startswith("layers.expert_") else shape
 
 
 def _hf_shape(path: str, shape: tuple[int, ...]) -> tuple[int, ...]:
-    """HF layout of one (per-layer) parameter: kernels are [out, in], the rest flattened."""
-    if path.endswith("kernel") or path in ("lm_head", "score"):
+    """HF layout of one (per-layer, per-expert) parameter: kernels are [out, in], the rest
+    flattened."""
+    if path.endswith("kernel") or path in ("lm_head", "score", "layers.router"):
         inputs = shape[0] if path != "layers.o_kernel" else shape[0] * shape[1]
         return (int(np.prod(shape)) // inputs, inputs)
     if path.endswith("bias"):
@@ -244,24 +264,24 @@ def read_parameters(directory, files, config: ModelConfig, shapes, dtype, shardi
     Each tensor is read into one stacked host buffer per parameter that goes to the device
     (or to its shards, `shardings` being a pytree of shardings keyed like the paths) before
     the next is read."""
-    expected = {name for p in shapes for name in _hf_names(p, config)}
+    expected = {name for p in shapes for name, _ in _hf_entries(p, config)}
     _check_names(expected, set(files), directory, config.tie_word_embeddings)
     np_dtype = np.dtype(jnp.dtype(dtype))
     for path, shape in shapes.items():
-        names = _hf_names(path, config)
-        stacked = path.startswith("layers.")
-        buffer = np.empty(((len(names),) if stacked else ()) + shape, np_dtype)
-        for i, name in enumerate(names):
+        stacked = (config.num_layers,) if path.startswith("layers.") else ()
+        buffer = np.empty(stacked + shape, np_dtype)
+        item = _item_shape(path, shape)
+        for name, index in _hf_entries(path, config):
             # One open (memory map) per tensor: mapped pages are released as soon as the
             # tensor is copied out, instead of the whole checkpoint staying resident.
             with safe_open(files[name], framework="np") as f:
                 tensor = f.get_tensor(name)
-            if tensor.shape != _hf_shape(path, shape):
+            if tensor.shape != _hf_shape(path, item):
                 raise CheckpointError(
                     f"tensor {name} has shape {tensor.shape}, expected "
-                    f"{_hf_shape(path, shape)} for this config.json."
+                    f"{_hf_shape(path, item)} for this config.json."
                 )
-            (buffer[i] if stacked else buffer)[...] = _to_ours(tensor, path, shape)
+            buffer[index] = _to_ours(tensor, path, item)
             del tensor
         sharding = None
         if shardings is not None:
@@ -300,12 +320,11 @@ def save_pretrained(
 
     # Plan the shards from shapes alone, then convert and write one shard at a time.
     shapes = _param_shapes(config)
-    entries = []  # (HF name, our parameter path, layer index or None, bytes)
+    entries = []  # (HF name, our parameter path, index into it, bytes)
     for param_path, shape in shapes.items():
-        nbytes = int(np.prod(shape)) * np_dtype.itemsize
-        layers = range(config.num_layers) if param_path.startswith("layers.") else [None]
-        for name, layer in zip(_hf_names(param_path, config), layers, strict=True):
-            entries.append((name, param_path, layer, nbytes))
+        nbytes = int(np.prod(_item_shape(param_path, shape))) * np_dtype.itemsize
+        for name, index in _hf_entries(param_path, config):
+            entries.append((name, param_path, index, nbytes))
     shards: list[list] = [[]]
     shard_bytes = 0
     for entry in entries:
@@ -323,10 +342,11 @@ def save_pretrained(
             else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
         )
         tensors = {}
-        for name, param_path, layer, _ in shard:
+        for name, param_path, index, _ in shard:
             value = _state_leaf(state, param_path).get_value()
-            value = np.asarray(jax.device_get(value if layer is None else value[layer]))
-            tensors[name] = _to_hf(value.astype(np_dtype), param_path, shapes[param_path])
+            value = np.asarray(jax.device_get(value[index]))
+            item = _item_shape(param_path, shapes[param_path])
+            tensors[name] = _to_hf(value.astype(np_dtype), param_path, item)
         save_file(tensors, out / file, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, file))
         del tensors

@@ -101,6 +101,15 @@ def adapter_specs(config: ModelConfig, lora: LoraConfig) -> dict:
     a leading L. The rank axis `lora_rank` is replicated; the others split as the kernel's."""
     specs = {}
     layer = layer_param_specs(config)
+    absent = [
+        name for name, kernel in TARGETS.items() if name in lora.targets and kernel not in layer
+    ]
+    if absent:
+        raise ValueError(
+            f"model.lora_targets names {', '.join(absent)}, which this {config.model_type} "
+            "model does not have: its MLP is a mixture of experts, whose weights LoRA does not "
+            "adapt yet. Set model.lora_targets=q_proj,k_proj,v_proj,o_proj."
+        )
     for kernel in lora.kernels:
         shape, axes = layer[kernel]
         c = input_axes(kernel)

@@ -107,10 +107,17 @@ def layer_param_specs(c: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[
         "v_kernel": ((e, k, d), ("embed", "kv_heads", "head_dim")),
         "o_kernel": ((h, d, e), ("heads", "head_dim", "embed")),
         "mlp_norm": ((e,), ("embed",)),
-        "gate_kernel": ((e, m), ("embed", "mlp")),
-        "up_kernel": ((e, m), ("embed", "mlp")),
-        "down_kernel": ((m, e), ("mlp", "embed")),
     }
+    if c.num_experts:  # the router, and each projection of every expert as one weight
+        x, m = c.num_experts, c.moe_intermediate_size
+        specs["router"] = ((e, x), ("embed", "expert"))
+        specs["expert_gate_kernel"] = ((x, e, m), ("expert", "embed", "mlp"))
+        specs["expert_up_kernel"] = ((x, e, m), ("expert", "embed", "mlp"))
+        specs["expert_down_kernel"] = ((x, m, e), ("expert", "mlp", "embed"))
+    else:
+        specs["gate_kernel"] = ((e, m), ("embed", "mlp"))
+        specs["up_kernel"] = ((e, m), ("embed", "mlp"))
+        specs["down_kernel"] = ((m, e), ("mlp", "embed"))
     if c.qkv_bias:
         specs["q_bias"] = ((h, d), ("heads", "head_dim"))
         specs["k_bias"] = ((k, d), ("kv_heads", "head_dim"))
@@ -762,9 +769,12 @@ def finish_layer(config, params, x, attention):
     if config.post_norms:
         out = rms_norm(out, norm_scale(config, params["post_attn_norm"]), eps)
     x = x + out
-    mlp_kernels = (params["gate_kernel"], params["up_kernel"])
-    gate, up = normed_projections(x, norm_scale(config, params["mlp_norm"]), mlp_kernels, eps)
-    out = gated_projection(gate, up, params["down_kernel"], config.hidden_act)  # gate, up [B, T, M]
+    if config.num_experts:
+        out = mixture_of_experts(config, params, rms_norm(x, params["mlp_norm"], eps))
+    else:
+        mlp_kernels = (params["gate_kernel"], params["up_kernel"])
+        gate, up = normed_projections(x, norm_scale(config, params["mlp_norm"]), mlp_kernels, eps)
+        out = gated_projection(gate, up, params["down_kernel"], config.hidden_act)  # [B, T, E]
     if config.post_norms:
         out = rms_norm(out, norm_scale(config, params["post_mlp_norm"]), eps)
     return constrain(x + out, ("batch", "length", "embed"))
@@ -802,6 +812,46 @@ def gated_projection(
     """
     hidden = constrain(activate(gate, activation) * up, ("batch", "length", "mlp"))
     return project(hidden, kernel)
+
+
+def mixture_of_experts(config: ModelConfig, params: dict, h: jax.Array) -> jax.Array:
+    """The MLP of a mixture-of-experts layer (Qwen3-MoE) on normalised activations h [..., E].
+
+    The router, in f32, scores the experts by a softmax over `router` [E, X] and keeps the
+    `experts_per_token` best (their weights renormalised to sum to 1 with `norm_topk_prob`).
+    The N tokens' N * k assignments are sorted by expert, so that each expert's gated MLP
+    multiplies one contiguous block of rows: `jax.lax.ragged_dot` over the stacked expert
+    weights [X, E, M] computes only the chosen experts, not all X for every token. The
+    outputs, weighted, are summed back onto their tokens.
+    """
+    lead, embed = h.shape[:-1], h.shape[-1]
+    tokens = h.reshape(-1, embed)  # [N, E]
+    k, experts = config.experts_per_token, config.num_experts
+    logits = jnp.dot(tokens.astype(jnp.float32), params["router"].astype(jnp.float32))  # f32[N, X]
+    weights, chosen = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)  # [N, k]
+    if config.norm_topk_prob:
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+    order = jnp.argsort(chosen.reshape(-1), stable=True)  # [N * k]: assignments by expert
+    token_of = order // k
+    group_sizes = jnp.bincount(chosen.reshape(-1), length=experts).astype(jnp.int32)  # [X]
+    rows = jnp.take(tokens, token_of, axis=0)  # [N * k, E]
+    gate = expert_products(rows, params["expert_gate_kernel"], group_sizes)  # [N * k, M]
+    up = expert_products(rows, params["expert_up_kernel"], group_sizes)
+    hidden = activate(gate, config.hidden_act) * up
+    out = expert_products(hidden, params["expert_down_kernel"], group_sizes)  # [N * k, E]
+    out = out * jnp.take(weights.reshape(-1), order)[:, None].astype(out.dtype)
+    combined = jnp.zeros_like(tokens).at[token_of].add(out)  # [N, E]
+    return combined.reshape(*lead, embed)
+
+
+def expert_products(rows: jax.Array, kernels: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """rows [R, I] (grouped by expert, `group_sizes` [X] of them each) times their expert's
+    kernel of `kernels` [X, I, O]: [R, O] in the rows' dtype, products in the kernels' dtype
+    (bf16 weights, `with_matmul_weights`) summed in f32."""
+    product = jax.lax.ragged_dot(
+        rows.astype(kernels.dtype), kernels, group_sizes, preferred_element_type=jnp.float32
+    )
+    return product.astype(rows.dtype)
 
 
 def activate(x: jax.Array, activation: str) -> jax.Array:

@@ -124,10 +124,11 @@ def ragged(args, config, model, torch_model, prompt_ids) -> None:
 
     def kv_bytes(slots: int) -> int:
         prompts = kv_cache_bytes(args.prompts, args.prompt_length, config, jnp.float32)
-        return prompts + kv_cache_bytes(slots, new_tokens, config, jnp.float32)
+        completions = kv_cache_bytes(slots, new_tokens, config, jnp.float32, completion=True)
+        return prompts + completions
 
     full_cache = kv_bytes(rows)
-    per_slot = kv_cache_bytes(1, new_tokens, config, jnp.float32)
+    per_slot = kv_cache_bytes(1, new_tokens, config, jnp.float32, completion=True)
     quarter = max(1, (full_cache // 4 - kv_bytes(0)) // per_slot)  # slots within 1/4 of it
     engines = {"today: every row at once": 0}
     engines[f"slots: {quarter} (KV budget 1/4)"] = quarter

@@ -75,7 +75,10 @@ def test_prefill_then_group_decode_equals_full_forward(family, matmul_dtype, hf_
     params, config = model.params(), model.config
     if matmul_dtype:
         params = with_matmul_weights(params, jnp.dtype(matmul_dtype))
-    prompts, groups, new_tokens, length = 2, 3, 5, 8
+    prompts, groups, length = 2, 3, 8
+    # f32: 9 tokens, so the sliding layers' rings (windows of 4 to 6) wrap. bf16: 5, where the
+    # bound below was measured (a flipped rounding carries to the row's later steps).
+    new_tokens = 9 if matmul_dtype is None else 5
     rng = np.random.default_rng(0)
     prompt_ids = rng.integers(3, VOCAB, (prompts, length)).astype(np.int32)
     prompt_mask = np.ones((prompts, length), np.int32)
@@ -202,3 +205,23 @@ def test_decode_products_read_the_weights_as_their_left_operand(hf_checkpoint):
     assert sorted(line.split(" = ")[1].split("{")[0] for line in products) == expected
     for line in products:
         assert "lhs_contracting_dims={1}, rhs_contracting_dims={0}" in line, line
+
+
+def test_sliding_layers_keep_a_ring_of_their_window(hf_checkpoint):
+    """A sliding layer's completion buffers hold its window (4 slots here), a full layer's
+    every token, also once a phase grows them; the plan's bytes are those buffers'."""
+    from jgrpo.models.group_decode import completion_cache_bytes, grow_completion_cache
+
+    model = from_pretrained(hf_checkpoint("gemma3")[0])
+    params, config = model.params(), model.config
+    ones = jnp.ones((2, 6), jnp.int32)
+    _, cache = prefill(params, ones, ones, config=config, num_generations=3, max_new_tokens=2)
+    expected = [min(2, 4) if sliding else 2 for sliding in config.sliding_layers]
+    assert [v.shape[2] for v in cache.completion_v] == expected
+    cache = grow_completion_cache(cache, 12, config)
+    expected = [4 if sliding else 12 for sliding in config.sliding_layers]
+    assert config.sliding_layers == (True, True, False, True, False)
+    assert [v.shape[2] for v in cache.completion_v] == expected
+    assert [k.shape[3] for k in cache.completion_k] == expected
+    held = sum(x.nbytes for x in (*cache.completion_k, *cache.completion_v)) // 6  # per row
+    assert completion_cache_bytes(config, 12, jnp.float32) == held

@@ -119,7 +119,7 @@ def set_model_type(tensors, config):
         ),
         (
             set_model_type,
-            "model_type 'phi3' is not supported; supported: llama, qwen2, qwen3, mistral",
+            "model_type 'phi3' is not supported; supported: llama, qwen2, qwen3, qwen3_moe",
         ),
     ],
 )

@@ -28,7 +28,10 @@ def test_from_hf_config_reads_each_family(family):
     assert (config.num_heads, config.num_kv_heads) == (4, 2)
     assert config.head_dim == (32 if family in ("qwen3", "gemma3") else 16)
     assert config.qkv_bias == (family == "qwen2")
-    assert config.qk_norm == (family in ("qwen3", "gemma3"))
+    assert config.qk_norm == (family in ("qwen3", "qwen3_moe", "gemma3"))
+    experts = (config.num_experts, config.experts_per_token, config.moe_intermediate_size)
+    assert experts == ((4, 2, 24) if family == "qwen3_moe" else (0, 0, 0))
+    assert config.norm_topk_prob == (family == "qwen3_moe")
     assert config.tie_word_embeddings == (family == "qwen2" or gemma)
     switches = (config.hidden_act, config.norm_weight_offset, config.post_norms)
     assert switches == (("gelu_pytorch_tanh", 1.0, True) if gemma else ("silu", 0.0, False))
@@ -110,6 +113,14 @@ BASE = {
 }
 
 
+MOE = {
+    "model_type": "qwen3_moe",
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 8,
+}
+
+
 def test_transformers_4_spelling_is_read():
     """Hub config.json files written by transformers 4: rope_theta and rope_scaling on top."""
     legacy = {
@@ -141,6 +152,8 @@ def test_param_count_of_a_known_checkpoint():
     assert preset("gemma3-270m").num_params == 268_098_176
     assert preset("gemma3-1b").num_params == 999_885_952
     assert preset("gemma2-2b").num_params == 2_614_341_888
+    # Qwen3-30B-A3B: 30.5B parameters, 128 experts in each of 48 layers.
+    assert preset("qwen3-30b-a3b").num_params == 30_532_122_624
 
 
 def test_the_smollm2_preset_is_the_compare_benchmarks_architecture():
@@ -162,6 +175,9 @@ def test_the_smollm2_preset_is_the_compare_benchmarks_architecture():
         ({"model_type": "gemma3"}, "multimodal Gemma 3.*model_type 'gemma3_text'"),
         ({"model_type": "gemma2"}, "hidden_act 'silu' is not supported for gemma2"),
         ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+        ({**MOE, "mlp_only_layers": [0]}, "mlp_only_layers .* every layer must be sparse"),
+        ({**MOE, "decoder_sparse_step": 2}, "decoder_sparse_step != 1"),
+        ({**MOE, "num_experts_per_tok": 5}, r"experts_per_token must be in \[1, num_experts=4\]"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn'"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
         ({"use_sliding_window": True}, "use_sliding_window"),

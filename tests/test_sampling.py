@@ -393,10 +393,12 @@ def test_the_phase_rule_weighs_the_completion_caches_one_device_holds(hf_checkpo
     assert loops["one device"] == loops["data=8"] + 2  # decode loops ending at 8, 16, 24 slots
 
 
-def test_phased_decode_samples_exactly_what_one_phase_samples(hf_checkpoint, monkeypatch):
+@pytest.mark.parametrize("family", ["qwen2", "gemma3"])
+def test_phased_decode_samples_exactly_what_one_phase_samples(family, hf_checkpoint, monkeypatch):
     """The decode loop in phases of growing completion buffers (forced here at 24 tokens:
-    phases end at 8, 16 and 24 slots) draws the same tokens with the same log-probs."""
-    model = from_pretrained(hf_checkpoint("qwen2")[0])
+    phases end at 8, 16 and 24 slots) draws the same tokens with the same log-probs (gemma3:
+    its sliding layers' rings of 4 slots stay 4 in every phase)."""
+    model = from_pretrained(hf_checkpoint(family)[0])
     ids, mask = prompts(seed=5)
     args = (model.params(), jnp.asarray(ids), jnp.asarray(mask), jax.random.key(3))
     config = SamplingConfig(max_new_tokens=24, temperature=1.0, stop_token_ids=(EOS, 7))
@@ -417,7 +419,11 @@ def test_phased_decode_samples_exactly_what_one_phase_samples(hf_checkpoint, mon
     phased, single = results["phased"], results["one phase"]
     np.testing.assert_array_equal(phased.tokens, single.tokens)
     np.testing.assert_array_equal(phased.lengths, single.lengths)
-    np.testing.assert_allclose(phased.logprobs, single.logprobs, rtol=0, atol=1e-6)
+    # Float rounding only: the full layers' buffers differ in size, so their sums run in
+    # another order (measured: qwen2 under 1e-6; gemma3's 5 layers one log-prob of 288 off
+    # by 1.4e-6 at -4.26, two float32 ulps).
+    atol = 1e-6 if family == "qwen2" else 2e-6
+    np.testing.assert_allclose(phased.logprobs, single.logprobs, rtol=0, atol=atol)
     lengths = np.asarray(single.lengths)
     assert lengths.max() > 16 and lengths.min() < 24  # rows reached the last phase; some stopped
 

@@ -79,6 +79,8 @@ def test_logits_match_transformers(family, hf_checkpoint):
         ("gemma3", {"sliding_window": None, "layer_types": None}),
         ("gemma3", {"rope_local_theta": None}),
         ("gemma3", {"query_pre_attn_scalar": None}),
+        ("qwen3_moe", {"norm_topk_prob": False}),
+        ("qwen3_moe", {"experts_per_token": 1}),
     ],
 )
 def test_the_parity_tests_exercise_each_switch(family, switches, hf_checkpoint):

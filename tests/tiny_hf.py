@@ -5,7 +5,8 @@ Qwen2 with q/k/v bias and tied embeddings, Qwen3 with q/k norm and head_dim != E
 with a sliding window shorter than the tests' sequences; Gemma 2 with a sliding layer before a
 full one, both soft-caps and a query scale of its own; Gemma 3 with q/k norm, five layers of
 both kinds in an uneven order (so the layer loop scans), a RoPE base per kind and linear
-scaling on the full layers; all with grouped-query attention (2 kv heads for 4 query heads).
+scaling on the full layers; Qwen3-MoE with 4 experts, 2 per token; all with grouped-query
+attention (2 kv heads for 4 query heads).
 """
 
 import pathlib
@@ -26,6 +27,8 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 VOCAB = 97
@@ -57,6 +60,17 @@ FAMILIES = {
     ),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, dict(tie_word_embeddings=True, rope_theta=1e6)),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(tie_word_embeddings=False, head_dim=32)),
+    "qwen3_moe": (  # 4 experts of 24, 2 per token, renormalised; q/k norm
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+        dict(
+            head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=24,
+            norm_topk_prob=True,
+        ),
+    ),
     "mistral": (
         MistralConfig,
         MistralForCausalLM,
@@ -126,12 +140,13 @@ def save_checkpoint(family: str, directory: pathlib.Path, *, with_tokenizer=Fals
 
 
 def save_char_checkpoint(
-    directory: pathlib.Path, *, tied: bool = False, gemma3: bool = False
+    directory: pathlib.Path, *, tied: bool = False, gemma3: bool = False, moe: bool = False
 ) -> pathlib.Path:
     """A tiny random jgrpo model saved in HF format with a character tokenizer that has a chat
     template: what a real instruct checkpoint offers, loadable through `model.path=`;
     `tied`: with tied input and output embeddings (as the small Qwen and Llama 3.2 have);
-    `gemma3`: a Gemma 3 (text) of the same size, a sliding layer before a full one."""
+    `gemma3`: a Gemma 3 (text) of the same size, a sliding layer before a full one; `moe`: a
+    Qwen3-MoE, 4 experts of 32 in each layer, 2 per token."""
     from flax import nnx
 
     from jgrpo import models
@@ -145,6 +160,15 @@ def save_char_checkpoint(
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=tied,
     )
+    if moe:
+        config = config.replace(
+            model_type="qwen3_moe",
+            qk_norm=True,
+            num_experts=4,
+            experts_per_token=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+        )
     if gemma3:
         config = config.replace(
             model_type="gemma3_text",
