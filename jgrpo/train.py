@@ -178,6 +178,9 @@ def _update_metrics(update: dict[str, np.ndarray]) -> dict[str, float]:
         "sampler_weight_mean": "sampler/weight_mean",
         "sampler_capped_frac": "sampler/capped_frac",
         "off_policy_masked_frac": "off_policy/masked_frac",
+        "moe_aux_loss": "moe/aux_loss",
+        "moe_expert_load_max": "moe/expert_load_max",
+        "moe_expert_load_min": "moe/expert_load_min",
     }
     metrics = {ours: float(np.mean(update[key])) for key, ours in names.items() if key in update}
     for last in ("lr", "params_norm"):

@@ -39,7 +39,13 @@ from jgrpo.models.group_forward import (
     packed_head_inputs,
 )
 from jgrpo.models.lora import with_adapters
-from jgrpo.models.transformer import forward, unembedding, with_matmul_weights
+from jgrpo.models.transformer import (
+    RouterStats,
+    forward,
+    load_balancing_loss,
+    unembedding,
+    with_matmul_weights,
+)
 from jgrpo.sharding import traced_shard_count
 
 # MiB of f32 log-prob logits per device the update keeps for its backward pass (`keeps_logits`).
@@ -91,6 +97,7 @@ class UpdateConfig:
     sampler_correction_mode: str = "truncate"  # "mask": weights outside [floor, cap] are 0
     sampler_correction_floor: float = 0.0  # the smallest weight: raised to it, or masked below
     lora_scale: float | None = None  # LoRA's alpha / r: state.params are adapters on base_params
+    router_aux_loss_coef: float = 0.0  # mixture of experts: the load-balancing loss's weight
 
     def __post_init__(self):
         for name in ("num_iterations", "num_minibatches", "grad_accumulation"):
@@ -229,8 +236,11 @@ def completion_logprobs(
     shared_prompt_rows: int = 1,
     matmul_dtype: str = "float32",
     keep_logits_mib: float = KEEP_LOGITS_MIB,
-) -> tuple[jax.Array, jax.Array]:  # (f32[B, N], f32[B, N])
-    """Log-prob and entropy of every completion token under `params` (no [B, T, V] logits).
+    router_stats: bool = False,
+) -> tuple:  # (f32[B, N], f32[B, N]), then RouterStats | None with router_stats
+    """Log-prob and entropy of every completion token under `params` (no [B, T, V] logits);
+    with `router_stats`, a mixture of experts' `RouterStats` over the batch's real tokens too
+    (None for a dense model).
 
     Differentiated, the log-prob head keeps its f32 logits for the backward pass when one
     device's share of them takes at most `keep_logits_mib` MiB (`keeps_logits`; traced under
@@ -272,7 +282,7 @@ def completion_logprobs(
             "a packed batch needs shared_prompt_rows = G > 1 (packing is per group of rows)."
         )
     if batch.packed is not None:  # the head reads the packed tokens, not B x N positions
-        hidden, targets, index = packed_head_inputs(
+        hidden, targets, index, stats = packed_head_inputs(
             params,
             batch.input_ids,
             batch.attention_mask,
@@ -280,28 +290,45 @@ def completion_logprobs(
             config=model_config,
             group_size=shared_prompt_rows,
             completion_length=completion_length,
+            router_stats=True,
         )  # [M, E], [M], [B, N]
         logprobs, entropy = head(hidden, targets)  # [M] each
-        return logprobs[index], entropy[index]
-    if shared_prompt_rows > 1:
-        predicting = group_completion_hidden(
-            params,
-            batch.input_ids,
-            batch.attention_mask,
-            config=model_config,
-            group_size=shared_prompt_rows,
-            completion_length=completion_length,
-        )  # [B, N, E]
+        logprobs, entropy = logprobs[index], entropy[index]
     else:
-        hidden = forward(
-            params,
-            batch.input_ids,
-            attention_mask=batch.attention_mask,
-            config=model_config,
-            return_hidden=True,
-        )  # [B, L + N, E]
-        predicting = hidden[:, -completion_length - 1 : -1]  # positions that predict completions
-    return head(predicting, batch.input_ids[:, -completion_length:])
+        if shared_prompt_rows > 1:
+            predicting, stats = group_completion_hidden(
+                params,
+                batch.input_ids,
+                batch.attention_mask,
+                config=model_config,
+                group_size=shared_prompt_rows,
+                completion_length=completion_length,
+                router_stats=True,
+            )  # [B, N, E]
+        else:
+            hidden, stats = forward(
+                params,
+                batch.input_ids,
+                attention_mask=batch.attention_mask,
+                config=model_config,
+                return_hidden=True,
+                return_router_stats=True,
+            )  # [B, L + N, E]
+            predicting = hidden[:, -completion_length - 1 : -1]  # positions that predict
+        logprobs, entropy = head(predicting, batch.input_ids[:, -completion_length:])
+    return (logprobs, entropy, stats) if router_stats else (logprobs, entropy)
+
+
+def routing_metrics(stats: RouterStats, aux_loss: jax.Array) -> dict[str, jax.Array]:
+    """A mixture of experts' routing in a micro-batch: the load-balancing loss (k when
+    balanced), and the busiest and idlest experts' shares of the assignments relative to an
+    even share (1 = even; summed over the layers)."""
+    relative = stats.counts / jnp.maximum(stats.counts.mean(), 1e-9)  # [X]
+    return {  # logged as moe/aux_loss, ... (`jgrpo.train`)
+        "moe_aux_loss": aux_loss,
+        "moe_expert_load_max": relative.max(),
+        "moe_expert_load_min": relative.min(),
+    }
 
 
 def keeps_logits(tokens: int, vocab: int, budget_mib: float, shards: int = 1) -> bool:
@@ -410,9 +437,6 @@ def train_step(
         keep_logits_mib=cfg.keep_logits_mib,
     )
 
-    def logprobs_of(params, part):  # the trained parameters' log-probs of a batch part
-        return model_logprobs(policy(params), part)
-
     def frozen_logprobs(model_params):
         """Log-probs of the whole batch under fixed parameters, one minibatch at a time."""
         parts = _split(batch, cfg.num_minibatches)
@@ -426,7 +450,7 @@ def train_step(
         extras["ref_logprobs"] = frozen_logprobs(ref_params)
 
     def loss_fn(params, micro, micro_extras, minibatch_tokens, minibatch_sequences):
-        logprobs, entropy = logprobs_of(params, micro)
+        logprobs, entropy, router_stats = model_logprobs(policy(params), micro, router_stats=True)
         old = micro_extras.get("old_logprobs", jax.lax.stop_gradient(logprobs))
         weights, sampler_metrics = None, {}
         if micro.sampler_logprobs is not None:
@@ -482,6 +506,16 @@ def train_step(
         metrics.update(off_policy_metrics)
         mask = micro.completion_mask.astype(jnp.float32)
         metrics["entropy"] = (entropy * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+        if router_stats is not None:  # a mixture of experts
+            aux = load_balancing_loss(router_stats)
+            metrics.update(routing_metrics(router_stats, aux))
+            if cfg.router_aux_loss_coef:
+                # dapo's and grpo's micro-batch losses are summed over the minibatch, the
+                # others averaged: the auxiliary loss is averaged either way
+                summed = cfg.loss_type in ("dapo", "grpo")
+                loss = loss + cfg.router_aux_loss_coef * aux / (
+                    cfg.grad_accumulation if summed else 1
+                )
         metrics["loss"] = loss
         return loss, metrics
 

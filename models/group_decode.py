@@ -349,7 +349,7 @@ def decode_step(
         x = x + out
         h = rms_norm(x, layer["mlp_norm"], eps, axis=0)
         if config.num_experts:  # the rows' chosen experts, row-major as in the forward pass
-            out = row_major(mixture_of_experts(config, layer, row_major(h.T)).T)  # [E, B]
+            out = row_major(mixture_of_experts(config, layer, row_major(h.T))[0].T)  # [E, B]
         else:
             gate, up = jnp.split(_times(layer["gate_up"], h), 2)  # [M, B] each
             hidden = constrain(activate(gate, config.hidden_act) * up, ("mlp", "batch"))

@@ -73,8 +73,11 @@ def group_completion_hidden(
     group_size: int,
     completion_length: int,
     packed: PackedCompletions | None = None,
-) -> jax.Array:  # [B, N, E]
-    """Final hidden states at the N positions that predict each row's completion tokens.
+    router_stats: bool = False,
+):  # [B, N, E]; with router_stats, (that, RouterStats | None)
+    """Final hidden states at the N positions that predict each row's completion tokens
+    (and with `router_stats`, a mixture of experts' `RouterStats` summed over its layers,
+    each prompt token weighing G as in the plain forward; None for a dense model).
 
     Equal, up to rounding, to `forward(params, input_ids, attention_mask=attention_mask,
     return_hidden=True)[:, -N - 1 : -1]`, provided every group of `group_size` consecutive
@@ -87,7 +90,7 @@ def group_completion_hidden(
     equal up to rounding while the layers see P * (Lp + Gb * N) tokens. Positions that hold
     no real completion token get finite values of no meaning (mask them, as the loss does).
     """
-    x = _group_layers(
+    x, stats = _group_layers(
         params, input_ids, attention_mask, config, group_size, completion_length, packed
     )
     rows, n = input_ids.shape[0], completion_length
@@ -99,7 +102,8 @@ def group_completion_hidden(
     else:
         index = packed.predictor.reshape(rows // group_size, group_size * n)  # [P, G * N]
         predicting = jnp.take_along_axis(x, index[:, :, None], axis=1).reshape(rows, n, -1)
-    return rms_norm(predicting, norm_scale(config, params["final_norm"]), config.rms_norm_eps)
+    hidden = rms_norm(predicting, norm_scale(config, params["final_norm"]), config.rms_norm_eps)
+    return (hidden, stats) if router_stats else hidden
 
 
 def packed_head_inputs(
@@ -111,7 +115,8 @@ def packed_head_inputs(
     config: ModelConfig,
     group_size: int,
     completion_length: int,
-) -> tuple[jax.Array, jax.Array, jax.Array]:  # f32[M, E], int[M], int[B, N]
+    router_stats: bool = False,
+) -> tuple:  # f32[M, E], int[M], int[B, N] (then RouterStats | None with router_stats)
     """The packed forward's final hidden states where the unembedding should read them.
 
     Returns (hidden, targets, index) with M = P * (G + Gb * N), per prompt: its last token G
@@ -122,7 +127,7 @@ def packed_head_inputs(
     together (as its rows do when the batch is sharded). Positions that predict no real
     token read a position of no meaning (mask them, as the loss does).
     """
-    x = _group_layers(
+    x, stats = _group_layers(
         params, input_ids, attention_mask, config, group_size, completion_length, packed
     )
     rows, n = input_ids.shape[0], completion_length
@@ -148,13 +153,15 @@ def packed_head_inputs(
     start = row // group_size * per_prompt  # [B, 1]: the row's prompt's first position
     in_slots = start + group_size + packed.predictor - prompt_length  # [B, N]
     index = jnp.where(packed.predictor >= prompt_length, in_slots, start + row % group_size)
-    return hidden, targets, index
+    return (hidden, targets, index, stats) if router_stats else (hidden, targets, index)
 
 
 def _group_layers(
     params, input_ids, attention_mask, config, group_size, completion_length, packed
-) -> jax.Array:  # [P, Lp + U * N, E]: each prompt's tokens, then its U units' slots
-    """The layers over each prompt's tokens and its rows' (or packed rows') completion slots."""
+):  # ([P, Lp + U * N, E]: each prompt's tokens, then its U units' slots; RouterStats | None)
+    """The layers over each prompt's tokens and its rows' (or packed rows') completion slots,
+    and a mixture of experts' router stats summed over the layers (a prompt token weighing
+    G, as it runs G times in the plain forward; a padding slot nothing)."""
     rows, total = input_ids.shape
     if group_size < 1 or rows % group_size:
         raise ValueError(f"{rows} rows do not split into groups of group_size={group_size}.")
@@ -173,6 +180,7 @@ def _group_layers(
         unit_ids = input_ids[:, prompt_length:]  # [B, N]
         unit_positions = positions[:, prompt_length:]  # [B, N]
         unit_key_mask = attention_mask[:, prompt_length:].astype(bool)  # [B, N]
+        unit_real = unit_key_mask
         own_mask = jnp.tril(jnp.ones((n, n), bool)) & unit_key_mask[:, None, :]  # [B, N, N]
     else:  # unit = a packed row: Gb units of N slots per prompt
         if packed.source.shape[0] % prompts or packed.source.shape[1] != n:
@@ -188,6 +196,7 @@ def _group_layers(
         # token t of a completion sits at its prompt's real length + t, as in its padded row
         unit_positions = (prompt_mask.sum(1)[:, None] + taken % n).reshape(-1, n)
         completion = jnp.where(packed.source >= 0, packed.source // n, -1)  # [P * Gb, N]
+        unit_real = packed.source >= 0
         causal = jnp.tril(jnp.ones((n, n), bool))  # slots in order within a completion
         own_mask = causal & (completion[:, :, None] == completion[:, None, :])
         own_mask &= (completion >= 0)[:, None, :]  # [P * Gb, N, N]
@@ -259,10 +268,11 @@ def _group_layers(
             by_unit(q[:, prompt_length:]), keys, values, unit_layer_mask, scale, softcap
         )  # [P * U, N, H, D]
         attention = per_prompt(prompt_attention, unit_attention)  # [P, Lp + U*N, H, D]
-        return finish_layer(config, layer_params, x, attention), None
+        return finish_layer(config, layer_params, x, attention, token_weights)
 
     if config.remat:
         layer = jax.checkpoint(layer, prevent_cse=False)
     x = input_embeddings(params, token_ids, config)  # [P, Lp + U * N, E]
-    x, _ = over_layers(layer, x, (params["layers"], layer_kinds(config)), config.num_layers)
-    return x
+    token_weights = per_prompt(group_size * prompt_mask, unit_real.astype(jnp.int32))
+    x, stats = over_layers(layer, x, (params["layers"], layer_kinds(config)), config.num_layers)
+    return x, None if stats is None else jax.tree.map(lambda s: s.sum(0), stats)

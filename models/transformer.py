@@ -254,7 +254,8 @@ class Transformer(nnx.Module):
 
 
 @functools.partial(
-    jax.jit, static_argnames=("config", "return_hidden", "return_kv", "matmul_dtype")
+    jax.jit,
+    static_argnames=("config", "return_hidden", "return_kv", "matmul_dtype", "return_router_stats"),
 )
 def forward(
     params: dict,
@@ -267,6 +268,7 @@ def forward(
     return_hidden: bool = False,
     return_kv: bool = False,
     matmul_dtype=None,
+    return_router_stats: bool = False,
 ):
     """The decoder as a pure function of its parameters (jitted; inlined under an outer jit).
 
@@ -281,13 +283,19 @@ def forward(
     `return_kv` (no cache only) also returns the keys and values of every layer, k and v
     [L, B, K, T, D], as `(output, (k, v))`: a prefill for `jgrpo.models.group_decode`.
 
+    `return_router_stats` (no cache only) also returns, for a mixture of experts, its
+    routers' `RouterStats` summed over the layers (None for a dense model), as
+    `(output, stats)`: the update's load-balancing loss and routing metrics.
+
     `matmul_dtype` (e.g. bf16) multiplies in that dtype with f32 sums, as the parameters of
     `with_matmul_weights(params, matmul_dtype)` would (same values), but casts each layer's
     kernels inside the layer loop: a cast stacked copy scanned over cost XLA:CPU two extra
     passes over the weights (it slices the stack in f32, so it widened the bf16 copy back).
     """
-    if return_kv and cache is not None:
-        raise ValueError("return_kv is for a forward without a cache (a prefill).")
+    if (return_kv or return_router_stats) and cache is not None:
+        raise ValueError("return_kv and return_router_stats are for a forward without a cache.")
+    if return_kv and return_router_stats:
+        raise ValueError("return_kv and return_router_stats are not taken together.")
     batch, length = input_ids.shape
     if cache is None:
         key_mask = _default_mask(attention_mask, (batch, length), "[B, T]")
@@ -316,13 +324,15 @@ def forward(
         def layer(x, scanned):
             layer_params, is_sliding = scanned
             mask, cos, sin = choose(is_sliding, sliding, full)
-            x, kv = decoder_layer(config, cast(layer_params), x, cos, sin, mask)
-            return x, kv if return_kv else None
+            x, kv, stats = decoder_layer(
+                config, cast(layer_params), x, cos, sin, mask, token_weights=key_mask
+            )
+            return x, (kv if return_kv else None, stats if return_router_stats else None)
 
         if config.remat:
             layer = jax.checkpoint(layer, prevent_cse=False)
         scanned = (params["layers"], layer_kinds(config))
-        x, layer_kv = over_layers(layer, x, scanned, config.num_layers)
+        x, (layer_kv, layer_stats) = over_layers(layer, x, scanned, config.num_layers)
     else:
         # The stacked cache rides in the scan carry and each layer updates its slots in place:
         # slicing it as scan input and restacking it as output would copy it every step.
@@ -330,7 +340,7 @@ def forward(
             x, k, v = carry
             layer_params, index, is_sliding = scanned
             mask, cos, sin = choose(is_sliding, sliding, full)
-            x, (k, v) = decoder_layer(
+            x, (k, v), _ = decoder_layer(
                 config, cast(layer_params), x, cos, sin, mask, cache=(k, v, index), offset=offset
             )
             return (x, k, v), None
@@ -350,6 +360,8 @@ def forward(
         out = logits_from_hidden(with_matmul_unembedding(params, matmul_dtype), hidden, softcap)
     if return_kv:
         return out, layer_kv
+    if return_router_stats:  # summed over the layers
+        return out, None if layer_stats is None else jax.tree.map(lambda s: s.sum(0), layer_stats)
     return out if cache is None else (out, cache)
 
 
@@ -761,23 +773,27 @@ def token_major_attention_inputs(config, params, x, cos, sin):
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
-def finish_layer(config, params, x, attention):
+def finish_layer(config, params, x, attention, token_weights=None):
     """The rest of a block after attention [B, T, H, D]: output projection and residual, then
-    x + MLP(norm(x)); Gemma normalises each branch's output too (`post_norms`)."""
+    x + MLP(norm(x)); Gemma normalises each branch's output too (`post_norms`). Returns
+    (x, the router's `RouterStats` over the tokens weighted by `token_weights` [B, T], or
+    None for a dense MLP)."""
     eps = config.rms_norm_eps
     out = project(attention, params["o_kernel"], contract=2)  # [B, T, E]
     if config.post_norms:
         out = rms_norm(out, norm_scale(config, params["post_attn_norm"]), eps)
     x = x + out
+    stats = None
     if config.num_experts:
-        out = mixture_of_experts(config, params, rms_norm(x, params["mlp_norm"], eps))
+        normed = rms_norm(x, params["mlp_norm"], eps)
+        out, stats = mixture_of_experts(config, params, normed, token_weights)
     else:
         mlp_kernels = (params["gate_kernel"], params["up_kernel"])
         gate, up = normed_projections(x, norm_scale(config, params["mlp_norm"]), mlp_kernels, eps)
         out = gated_projection(gate, up, params["down_kernel"], config.hidden_act)  # [B, T, E]
     if config.post_norms:
         out = rms_norm(out, norm_scale(config, params["post_mlp_norm"]), eps)
-    return constrain(x + out, ("batch", "length", "embed"))
+    return constrain(x + out, ("batch", "length", "embed")), stats
 
 
 @functools.partial(jax.checkpoint, prevent_cse=False, static_argnums=(3,))
@@ -814,8 +830,31 @@ def gated_projection(
     return project(hidden, kernel)
 
 
-def mixture_of_experts(config: ModelConfig, params: dict, h: jax.Array) -> jax.Array:
-    """The MLP of a mixture-of-experts layer (Qwen3-MoE) on normalised activations h [..., E].
+class RouterStats(NamedTuple):
+    """What a mixture-of-experts layer's router did with its tokens (summed over layers, too):
+    enough for the load-balancing loss (`load_balancing_loss`) and the routing metrics."""
+
+    counts: jax.Array  # f32[X]: the tokens' assignments to each expert (k per token), weighted
+    probabilities: jax.Array  # f32[X]: the router's probabilities summed over the tokens
+    tokens: jax.Array  # f32 scalar: the tokens' weight, summed
+
+
+def load_balancing_loss(stats: RouterStats) -> jax.Array:
+    """transformers' auxiliary loss of Switch-style routing over every layer's tokens:
+    X * sum_x (assignments to x / tokens) * (mean router probability of x), its minimum k
+    when the router spreads tokens and probability evenly (X experts, k per token)."""
+    tokens = jnp.maximum(stats.tokens, 1.0)
+    return stats.counts.shape[-1] * jnp.sum(
+        (stats.counts / tokens) * (stats.probabilities / tokens)
+    )
+
+
+def mixture_of_experts(
+    config: ModelConfig, params: dict, h: jax.Array, token_weights: jax.Array | None = None
+) -> tuple[jax.Array, RouterStats]:
+    """The MLP of a mixture-of-experts layer (Qwen3-MoE) on normalised activations h [..., E],
+    and its `RouterStats` over the tokens weighted by `token_weights` [...] (default 1: a
+    padding token weighs 0).
 
     The router, in f32, scores the experts by a softmax over `router` [E, X] and keeps the
     `experts_per_token` best (their weights renormalised to sum to 1 with `norm_topk_prob`).
@@ -828,7 +867,8 @@ def mixture_of_experts(config: ModelConfig, params: dict, h: jax.Array) -> jax.A
     tokens = h.reshape(-1, embed)  # [N, E]
     k, experts = config.experts_per_token, config.num_experts
     logits = jnp.dot(tokens.astype(jnp.float32), params["router"].astype(jnp.float32))  # f32[N, X]
-    weights, chosen = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)  # [N, k]
+    probabilities = jax.nn.softmax(logits, axis=-1)  # f32[N, X]
+    weights, chosen = jax.lax.top_k(probabilities, k)  # [N, k]
     if config.norm_topk_prob:
         weights = weights / weights.sum(axis=-1, keepdims=True)
     order = jnp.argsort(chosen.reshape(-1), stable=True)  # [N * k]: assignments by expert
@@ -841,7 +881,16 @@ def mixture_of_experts(config: ModelConfig, params: dict, h: jax.Array) -> jax.A
     out = expert_products(hidden, params["expert_down_kernel"], group_sizes)  # [N * k, E]
     out = out * jnp.take(weights.reshape(-1), order)[:, None].astype(out.dtype)
     combined = jnp.zeros_like(tokens).at[token_of].add(out)  # [N, E]
-    return combined.reshape(*lead, embed)
+    if token_weights is None:
+        weight = jnp.ones((tokens.shape[0],), jnp.float32)
+    else:
+        weight = token_weights.reshape(-1).astype(jnp.float32)  # [N]
+    stats = RouterStats(
+        counts=jnp.zeros((experts,), jnp.float32).at[chosen].add(weight[:, None]),
+        probabilities=(probabilities * weight[:, None]).sum(axis=0),  # the loss's gradient
+        tokens=weight.sum(),
+    )
+    return combined.reshape(*lead, embed), stats
 
 
 def expert_products(rows: jax.Array, kernels: jax.Array, group_sizes: jax.Array) -> jax.Array:
@@ -863,13 +912,15 @@ def activate(x: jax.Array, activation: str) -> jax.Array:
     raise ValueError(f"activation {activation!r} is not supported.")
 
 
-def decoder_layer(config, params, x, cos, sin, mask, cache=None, offset=0):
+def decoder_layer(config, params, x, cos, sin, mask, cache=None, offset=0, token_weights=None):
     """One pre-norm block: x + attention(norm(x)), then + MLP(norm(x)) (`finish_layer`).
 
     x [B, T, E]; mask bool[B, T, S]. Without a cache the keys are the T new tokens and the
-    call returns (x, (k, v)) with k, v [B, K, T, D]. With `cache=(k, v, layer)` (k, v
-    [L, B, K, S, D]) the new keys and values are written at slots [offset, offset + T) of that
-    layer, attention reads all S slots, and the call returns (x, (k, v)) of the whole cache.
+    call returns (x, (k, v), router stats) with k, v [B, K, T, D]. With `cache=(k, v, layer)`
+    (k, v [L, B, K, S, D]) the new keys and values are written at slots [offset, offset + T)
+    of that layer, attention reads all S slots, and the call returns (x, (k, v), router
+    stats) of the whole cache. The router stats (mixture of experts; None for a dense MLP)
+    weigh the tokens by `token_weights` [B, T].
     """
     q, k, v = attention_inputs(config, params, x, cos, sin)  # k, v [B, K, T, D]
     if cache is None:
@@ -887,7 +938,8 @@ def decoder_layer(config, params, x, cos, sin, mask, cache=None, offset=0):
     attention = grouped_query_attention(
         q, keys, values, mask, config.attention_scale, config.attn_logit_softcapping
     )  # [B, T, H, D]
-    return finish_layer(config, params, x, attention), new_cache
+    x, stats = finish_layer(config, params, x, attention, token_weights)
+    return x, new_cache, stats
 
 
 def grouped_query_attention(q, k, v, mask, scale=None, softcap=None):

@@ -6,6 +6,7 @@ test_group_forward, which include a tiny Qwen3-MoE.)"""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 import torch
 from tiny_hf import save_char_checkpoint
@@ -13,9 +14,13 @@ from transformers import AutoModelForCausalLM
 
 from jgrpo.config import ConfigError, load_config
 from jgrpo.metrics import read_metrics
+from jgrpo.models.group_forward import group_completion_hidden
 from jgrpo.models.hf import from_pretrained
+from jgrpo.models.transformer import forward, load_balancing_loss
+from jgrpo.packing import completion_lengths, pack_completions, rows_needed
 from jgrpo.setup import Setup
 from jgrpo.train import train
+from jgrpo.update import UpdateConfig, init_state, train_step
 
 COMMON = [
     "task.max_operand=4",
@@ -24,6 +29,7 @@ COMMON = [
     "rollout.max_new_tokens=4",
     "rollout.max_prompt_length=64",
     "algorithm.beta=0.04",
+    "algorithm.router_aux_loss_coef=0.001",
     "optim.lr=1e-3",
     "optim.eps=1e-6",  # as test_sharding's mesh run: bounds Adam's amplification of rounding
     "train.steps=2",
@@ -40,9 +46,10 @@ def moe_checkpoint(tmp_path_factory):
 
 
 def test_a_moe_model_trains_on_a_mesh_as_on_one_device_and_exports(moe_checkpoint, tmp_path):
-    """Two GRPO steps of a tiny Qwen3-MoE on fsdp=4 x tensor=2 (the experts' weights split
-    as a dense MLP's): the same rewards, losses and nearly the same parameters as on one
-    device; the export loads in transformers with our logits."""
+    """Two GRPO steps of a tiny Qwen3-MoE (with the load-balancing loss) on fsdp=4 x
+    tensor=2 (the experts' weights split as a dense MLP's): the same rewards, losses, routing
+    metrics and nearly the same parameters as on one device; the export loads in
+    transformers with our logits."""
     runs = {}
     for name, mesh in [("one", ["mesh.devices=1"]), ("mesh", ["mesh.fsdp=4", "mesh.tensor=2"])]:
         overrides = [
@@ -55,6 +62,8 @@ def test_a_moe_model_trains_on_a_mesh_as_on_one_device_and_exports(moe_checkpoin
     for a, b in zip(read_metrics(tmp_path / "one"), read_metrics(tmp_path / "mesh"), strict=True):
         assert a["reward/mean"] == b["reward/mean"]  # the same completions were sampled
         np.testing.assert_allclose(a["loss"], b["loss"], atol=1e-6)
+        for name in ("moe/aux_loss", "moe/expert_load_max", "moe/expert_load_min"):
+            np.testing.assert_allclose(a[name], b[name], rtol=1e-5, err_msg=name)
     one, sharded = runs["one"].state.params, runs["mesh"].state.params
     assert one["layers"]["expert_gate_kernel"].shape == (2, 4, 64, 32)  # [L, X, E, M]
     difference = max(
@@ -82,3 +91,120 @@ def test_lora_on_a_moe_model_adapts_the_attention(moe_checkpoint):
     setup = Setup(load_config(None, [*base, "model.lora_targets=q_proj,k_proj,v_proj,o_proj"]))
     adapters = setup.initial_params()
     assert sorted(adapters["layers"]) == ["k_kernel", "o_kernel", "q_kernel", "v_kernel"]
+
+
+def test_the_load_balancing_loss_equals_transformers(hf_checkpoint):
+    """transformers' aux_loss (output_router_logits) of a left-padded batch: the padding
+    weighs nothing, every layer's tokens count."""
+    directory, torch_model = hf_checkpoint("qwen3_moe")
+    model = from_pretrained(directory)
+    ids = np.random.default_rng(0).integers(3, 97, size=(2, 11))
+    mask = np.ones((2, 11), np.int64)
+    mask[1, :4] = 0
+    with torch.no_grad():
+        expected = torch_model(
+            torch.tensor(ids),
+            attention_mask=torch.tensor(mask),
+            position_ids=torch.tensor(np.maximum(mask.cumsum(-1) - 1, 0)),
+            output_router_logits=True,
+        ).aux_loss
+    _, stats = forward(
+        model.params(),
+        jnp.asarray(ids),
+        attention_mask=jnp.asarray(mask),
+        config=model.config,
+        return_hidden=True,
+        return_router_stats=True,
+    )
+    assert float(stats.tokens) == mask.sum() * model.config.num_layers
+    assert float(stats.counts.sum()) == mask.sum() * model.config.num_layers * 2  # k = 2
+    np.testing.assert_allclose(load_balancing_loss(stats), float(expected), rtol=1e-5)
+    assert float(expected) > 2.0  # not the balanced minimum (k): the test can tell them apart
+
+
+def test_the_group_forward_routes_as_the_plain_forward(hf_checkpoint):
+    """The shared-prompt and packed forwards count a prompt token G times, as the plain
+    forward does, and no padding: the same router stats."""
+    from test_group_forward import GROUP, NEW_TOKENS, PROMPT_LENGTH, group_batch
+
+    model = from_pretrained(hf_checkpoint("qwen3_moe")[0])
+    params, config = model.params(), model.config
+    batch = group_batch(seed=3)
+    _, expected = forward(
+        params,
+        batch.input_ids,
+        attention_mask=batch.attention_mask,
+        config=config,
+        return_hidden=True,
+        return_router_stats=True,
+    )
+    lengths = completion_lengths(np.asarray(batch.completion_mask))
+    packed = pack_completions(
+        lengths,
+        group_size=GROUP,
+        width=NEW_TOKENS,
+        rows_per_group=rows_needed(lengths, GROUP, NEW_TOKENS),
+        prompt_length=PROMPT_LENGTH,
+    )
+    for packing in (None, jax.tree.map(jnp.asarray, packed)):
+        _, got = group_completion_hidden(
+            params,
+            batch.input_ids,
+            batch.attention_mask,
+            config=config,
+            group_size=GROUP,
+            completion_length=NEW_TOKENS,
+            packed=packing,
+            router_stats=True,
+        )
+        for name in ("counts", "probabilities", "tokens"):
+            np.testing.assert_allclose(
+                getattr(got, name), getattr(expected, name), rtol=1e-5, err_msg=name
+            )
+
+
+def test_the_update_adds_the_weighted_load_balancing_loss(hf_checkpoint):
+    """With router_aux_loss_coef c and plain SGD, the parameters move by c times the
+    auxiliary loss's gradient more than without it (the routers, and what their inputs depend
+    on); the routing metrics are logged either way."""
+    from test_group_forward import group_batch
+
+    model = from_pretrained(hf_checkpoint("qwen3_moe")[0])
+    params, config = model.params(), model.config
+    batch = group_batch(seed=4)
+    sgd = optax.sgd(1.0)
+
+    def step(coef):
+        state = init_state(jax.tree.map(jnp.copy, params), sgd)
+        update = UpdateConfig(router_aux_loss_coef=coef, shared_prompt_rows=4)
+        return train_step(
+            state, batch, None, model_config=config, update_config=update, optimizer=sgd
+        )
+
+    (with_aux, metrics), (without, plain_metrics) = step(0.5), step(0.0)
+
+    def aux(p):
+        _, stats = forward(
+            p,
+            batch.input_ids,
+            attention_mask=batch.attention_mask,
+            config=config,
+            return_hidden=True,
+            return_router_stats=True,
+        )
+        return load_balancing_loss(stats)
+
+    gradient = jax.grad(aux)(params)
+    moved = jax.tree.map(lambda a, b: a - b, with_aux.params, without.params)
+    assert np.abs(np.asarray(gradient["layers"]["router"])).max() > 1e-4
+    # every parameter the routers' inputs depend on moves too (earlier layers, embeddings)
+    for (path, got), expected in zip(
+        jax.tree_util.tree_leaves_with_path(moved), jax.tree.leaves(gradient), strict=True
+    ):
+        scale = float(np.abs(np.asarray(expected)).max())
+        np.testing.assert_allclose(
+            got, -0.5 * np.asarray(expected), atol=1e-5 * scale + 1e-7, rtol=0, err_msg=str(path)
+        )
+    np.testing.assert_allclose(metrics["moe_aux_loss"], aux(params), rtol=1e-5)
+    assert metrics["moe_expert_load_max"] >= 1.0 >= metrics["moe_expert_load_min"]
+    assert {"moe_aux_loss", "moe_expert_load_max"} <= plain_metrics.keys()

@@ -101,6 +101,25 @@ def test_the_gemma3_recipe_trains_and_exports_a_gemma3_checkpoint(tmp_path):
     np.testing.assert_allclose(exported(jnp.asarray(ids)), expected, atol=1e-4, rtol=0)
 
 
+def test_the_qwen3_moe_recipe_trains_a_mixture_of_experts(tmp_path):
+    """The recipe on a tiny Qwen3-MoE checkpoint (4 experts, 2 per token): two steps with the
+    load-balancing loss, whose value and the experts' loads are logged."""
+    from tiny_hf import save_char_checkpoint
+
+    checkpoint = save_char_checkpoint(tmp_path / "moe", moe=True)
+    lines = smoke(
+        "gsm8k-qwen3-30b-a3b.yaml",
+        tmp_path / "run",
+        f"task.path={ROOT / 'tests' / 'data' / 'gsm8k'}",
+        f"model.path={checkpoint}",
+        "model.dtype=float32",
+        "rollout.max_prompt_length=1024",  # system prompt and question, a token per character
+    )
+    assert [line["step"] for line in lines] == [1, 2]
+    for line in lines:
+        assert line["moe/aux_loss"] > 0 and line["moe/expert_load_max"] >= 1.0
+
+
 def test_a_jsonl_task_from_the_config(tmp_path):
     rows = [{"question": f"What is {n} + 1?", "answer": str(n + 1)} for n in range(6)]
     path = tmp_path / "mine.jsonl"

@@ -82,6 +82,11 @@ class AlgorithmSection:
     sampler_correction_floor: float = option(
         0.0, "the sampler correction's smallest weight, in [0, 1]; 0 = no lower bound"
     )
+    router_aux_loss_coef: float = option(
+        0.0,
+        "mixture of experts: weight of the routers' load-balancing loss in the update "
+        "(transformers' router_aux_loss_coef; 0 = off, 0.001 as Qwen3-MoE was trained)",
+    )
     num_iterations: int = option(1, "mu: update passes over each rollout")
     num_minibatches: int = option(1, "optimizer steps per pass")
     grad_accumulation: int = option(1, "micro-batches per minibatch")
@@ -130,6 +135,11 @@ class AlgorithmSection:
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"algorithm.{name} must be >= 1, got {getattr(self, name)}.")
+        if not self.router_aux_loss_coef >= 0:
+            raise ConfigError(
+                f"algorithm.router_aux_loss_coef must be >= 0 (0 = off), got "
+                f"{self.router_aux_loss_coef}."
+            )
         for name in ("max_extra_rollouts", "overlong_buffer"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"algorithm.{name} must be >= 0, got {getattr(self, name)}.")
