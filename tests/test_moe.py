@@ -208,3 +208,19 @@ def test_the_update_adds_the_weighted_load_balancing_loss(hf_checkpoint):
     np.testing.assert_allclose(metrics["moe_aux_loss"], aux(params), rtol=1e-5)
     assert metrics["moe_expert_load_max"] >= 1.0 >= metrics["moe_expert_load_min"]
     assert {"moe_aux_loss", "moe_expert_load_max"} <= plain_metrics.keys()
+
+
+def test_the_plan_counts_every_experts_weights(moe_checkpoint):
+    """`jgrpo.plan` holds all X experts' weights (and Adam's moments of them), not the k a
+    token uses: the parameter count transformers gives the model."""
+    from jgrpo.plan import plan_memory
+    from jgrpo.train import Trainer
+
+    trainer = Trainer(
+        load_config(None, [*COMMON, "mesh.devices=1", f"model.path={moe_checkpoint}"])
+    )
+    config = trainer.model_config
+    plan = plan_memory(trainer)
+    assert config.num_experts == 4
+    assert plan.parameters == config.num_params * 4  # f32
+    assert 2 * plan.parameters <= plan.optimizer <= 2 * plan.parameters + 64
