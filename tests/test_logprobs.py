@@ -49,19 +49,22 @@ def hidden_and_unembedding(batch, length, dim, vocab, seed=0, dtype=jnp.float32)
     return hidden, unembedding, targets
 
 
+def weighted_objective(weights, fn):
+    """A scalar of fn's (log-probs, entropies): each weighted by its own [2, ...] weights."""
+
+    def scalar(*args):
+        logprobs, entropy = fn(*args)
+        return (weights[0] * logprobs).sum() + (weights[1] * entropy).sum()
+
+    return scalar
+
+
 # (vocab, chunk_size): a divisor exists; a prime vocabulary (padded); chunk larger than V.
 @pytest.mark.parametrize(("vocab", "chunk_size"), [(96, 16), (97, 16), (40, 4096)])
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
 def test_chunked_matches_values_and_gradients(vocab, chunk_size, temperature):
     hidden, unembedding, targets = hidden_and_unembedding(3, 7, 16, vocab)
     weights = jax.random.normal(jax.random.key(5), (2, 3, 7))
-
-    def objective(fn):
-        def scalar(hidden, unembedding):
-            logprobs, entropy = fn(hidden, unembedding)
-            return (weights[0] * logprobs).sum() + (weights[1] * entropy).sum()
-
-        return scalar
 
     def full(h, w):
         return jgrpo.token_logprobs(h @ w, targets, temperature=temperature)
@@ -74,8 +77,12 @@ def test_chunked_matches_values_and_gradients(vocab, chunk_size, temperature):
     values = jax.jit(chunked)(hidden, unembedding), jax.jit(full)(hidden, unembedding)
     for got, expected in zip(*values, strict=True):
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
-    got_grads = jax.jit(jax.grad(objective(chunked), argnums=(0, 1)))(hidden, unembedding)
-    expected_grads = jax.jit(jax.grad(objective(full), argnums=(0, 1)))(hidden, unembedding)
+    got_grads = jax.jit(jax.grad(weighted_objective(weights, chunked), argnums=(0, 1)))(
+        hidden, unembedding
+    )
+    expected_grads = jax.jit(jax.grad(weighted_objective(weights, full), argnums=(0, 1)))(
+        hidden, unembedding
+    )
     for got, expected in zip(got_grads, expected_grads, strict=True):
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
 
@@ -89,13 +96,6 @@ def test_chunked_soft_capped_logits(vocab, temperature, keep_logits):
     unembedding = unembedding * 4.0  # logits up to ~30: a cap of 5 bends them
     weights = jax.random.normal(jax.random.key(5), (2, 3, 7))
     cap = 5.0
-
-    def objective(fn):
-        def scalar(hidden, unembedding):
-            logprobs, entropy = fn(hidden, unembedding)
-            return (weights[0] * logprobs).sum() + (weights[1] * entropy).sum()
-
-        return scalar
 
     def full(h, w):
         capped = cap * jnp.tanh(h @ w / cap)
@@ -115,8 +115,12 @@ def test_chunked_soft_capped_logits(vocab, temperature, keep_logits):
     assert np.abs(np.asarray(hidden @ unembedding)).max() > 2 * cap
     for got, expected in zip(chunked(hidden, unembedding), full(hidden, unembedding), strict=True):
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
-    got_grads = jax.jit(jax.grad(objective(chunked), argnums=(0, 1)))(hidden, unembedding)
-    expected_grads = jax.jit(jax.grad(objective(full), argnums=(0, 1)))(hidden, unembedding)
+    got_grads = jax.jit(jax.grad(weighted_objective(weights, chunked), argnums=(0, 1)))(
+        hidden, unembedding
+    )
+    expected_grads = jax.jit(jax.grad(weighted_objective(weights, full), argnums=(0, 1)))(
+        hidden, unembedding
+    )
     for got, expected in zip(got_grads, expected_grads, strict=True):
         assert np.isfinite(np.asarray(got)).all()
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
@@ -132,13 +136,6 @@ def test_chunked_takes_a_traced_temperature_as_token_logprobs_does():
     hidden, unembedding, targets = hidden_and_unembedding(3, 7, 16, 97)
     weights = jax.random.normal(jax.random.key(5), (2, 3, 7))
 
-    def objective(fn):
-        def scalar(hidden, unembedding, temperature):
-            logprobs, entropy = fn(hidden, unembedding, temperature)
-            return (weights[0] * logprobs).sum() + (weights[1] * entropy).sum()
-
-        return scalar
-
     def full(h, w, temperature):
         return jgrpo.token_logprobs(h @ w, targets, temperature=temperature)
 
@@ -153,8 +150,8 @@ def test_chunked_takes_a_traced_temperature_as_token_logprobs_does():
     ):
         np.testing.assert_allclose(got_one, expected, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(got_one, python_float, rtol=1e-5, atol=1e-5)
-    grads = jax.jit(jax.grad(objective(chunked), argnums=(0, 1, 2)))
-    expected_grads = jax.jit(jax.grad(objective(full), argnums=(0, 1, 2)))
+    grads = jax.jit(jax.grad(weighted_objective(weights, chunked), argnums=(0, 1, 2)))
+    expected_grads = jax.jit(jax.grad(weighted_objective(weights, full), argnums=(0, 1, 2)))
     got_grads = grads(hidden, unembedding, temperature)
     for got_one, expected in zip(
         got_grads, expected_grads(hidden, unembedding, temperature), strict=True
