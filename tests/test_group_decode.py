@@ -137,6 +137,8 @@ def test_prefill_then_group_decode_equals_full_forward(family, matmul_dtype, hf_
         # 5.4e-3; the others none): few (row, step) pairs, each within a few bf16 ulps.
         differing = (gap.max(axis=2) > 1e-5).sum()
         assert differing <= 2 and gap.max() < 1e-2, (differing, gap.max())
+        if family != "mistral":  # the bound measured before windows (mistral's: mean 9e-5)
+            assert gap.mean() < 2e-5 and gap.max() < 2e-3, (gap.mean(), gap.max())
 
 
 def test_decode_layers_cast_in_their_layout_pass_like_cast_parameters(hf_checkpoint):
