@@ -6,6 +6,10 @@ Mesh axes:
   over the `embed` dimension (gathered layer by layer when used).
 - `tensor`: tensor parallel; attention heads, MLP units and the vocabulary split.
 
+A mixture of experts puts whole experts on each `fsdp` device (expert parallelism): tokens
+travel to their experts (`jgrpo.models.transformer.mixture_of_experts`), the experts' weights
+stay where they are.
+
 Batches (prompts, completions, KV caches) are split over data x fsdp. Rows of a group sit on
 the device of their prompt: a group is never split across devices.
 
@@ -33,6 +37,9 @@ MESH_AXES = ("data", "fsdp", "tensor")
 # a logical axis with no rule (or only taken mesh axes) is replicated.
 LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("batch", ("data", "fsdp")),
+    # mixture of experts: whole experts on each device (expert parallelism), before `embed`
+    # takes fsdp; experts that fsdp does not divide are split by `embed` as a dense MLP is
+    ("expert", "fsdp"),
     ("embed", "fsdp"),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
@@ -42,7 +49,6 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("length", None),
     ("head_dim", None),
     ("lora_rank", None),  # LoRA adapters' rank: small, replicated
-    ("expert", None),  # mixture of experts: each expert's weights split as a dense MLP's
 )
 
 
@@ -94,10 +100,21 @@ def logical_spec(
     """The partition of an array of `shape` whose dimensions are named `axes`.
 
     Mesh axes that do not divide their dimension are dropped (that dimension is then split
-    over the mesh axes that do, or kept whole), and so are axes of size 1.
+    over the mesh axes that do, or kept whole), and so are axes of size 1. An `expert`
+    dimension left whole that way leaves its mesh axis to the array's other dimensions (the
+    experts are then split as a dense MLP is).
     """
     if len(shape) != len(axes):
         raise ValueError(f"{len(axes)} axis names {tuple(axes)} for an array of shape {shape}.")
+    spec = _fitted_spec(shape, axes, mesh, rules)
+    if "expert" in axes and spec[list(axes).index("expert")] is None:
+        spec = _fitted_spec(shape, axes, mesh, tuple(r for r in rules if r[0] != "expert"))
+    return spec
+
+
+def _fitted_spec(shape, axes, mesh, rules) -> PartitionSpec:
+    """The rules' partition of the array, less the mesh axes that do not divide their
+    dimension or have size 1."""
     spec = nn.logical_to_mesh_axes(tuple(axes), rules)
     fitted = []
     for size, assigned in zip(shape, spec, strict=True):

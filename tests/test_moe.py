@@ -3,6 +3,8 @@ exported to transformers, planned, and LoRA's targets on them. (Logit, decode an
 parity with transformers: the family tests of test_transformer, test_group_decode and
 test_group_forward, which include a tiny Qwen3-MoE.)"""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,11 +16,18 @@ from transformers import AutoModelForCausalLM
 
 from jgrpo.config import ConfigError, load_config
 from jgrpo.metrics import read_metrics
+from jgrpo.models.config import ModelConfig
 from jgrpo.models.group_forward import group_completion_hidden
 from jgrpo.models.hf import from_pretrained
-from jgrpo.models.transformer import forward, load_balancing_loss
+from jgrpo.models.transformer import (
+    forward,
+    layer_param_specs,
+    load_balancing_loss,
+    mixture_of_experts,
+)
 from jgrpo.packing import completion_lengths, pack_completions, rows_needed
 from jgrpo.setup import Setup
+from jgrpo.sharding import logical_sharding, make_mesh, rules_context
 from jgrpo.train import train
 from jgrpo.update import UpdateConfig, init_state, train_step
 
@@ -47,9 +56,9 @@ def moe_checkpoint(tmp_path_factory):
 
 def test_a_moe_model_trains_on_a_mesh_as_on_one_device_and_exports(moe_checkpoint, tmp_path):
     """Two GRPO steps of a tiny Qwen3-MoE (with the load-balancing loss) on fsdp=4 x
-    tensor=2 (the experts' weights split as a dense MLP's): the same rewards, losses, routing
-    metrics and nearly the same parameters as on one device; the export loads in
-    transformers with our logits."""
+    tensor=2 (its 4 experts one per fsdp device, each expert's MLP split over tensor): the
+    same rewards, losses, routing metrics and nearly the same parameters as on one device;
+    the export loads in transformers with our logits."""
     runs = {}
     for name, mesh in [("one", ["mesh.devices=1"]), ("mesh", ["mesh.fsdp=4", "mesh.tensor=2"])]:
         overrides = [
@@ -66,6 +75,8 @@ def test_a_moe_model_trains_on_a_mesh_as_on_one_device_and_exports(moe_checkpoin
             np.testing.assert_allclose(a[name], b[name], rtol=1e-5, err_msg=name)
     one, sharded = runs["one"].state.params, runs["mesh"].state.params
     assert one["layers"]["expert_gate_kernel"].shape == (2, 4, 64, 32)  # [L, X, E, M]
+    placement = sharded["layers"]["expert_gate_kernel"].sharding.spec
+    assert tuple(placement) == (None, "fsdp", None, "tensor")  # whole experts per device
     difference = max(
         float(np.abs(np.asarray(a) - np.asarray(b)).max())
         for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(sharded), strict=True)
@@ -224,3 +235,105 @@ def test_the_plan_counts_every_experts_weights(moe_checkpoint):
     assert config.num_experts == 4
     assert plan.parameters == config.num_params * 4  # f32
     assert 2 * plan.parameters <= plan.optimizer <= 2 * plan.parameters + 64
+
+
+def moe_layer(experts: int) -> tuple[ModelConfig, dict]:
+    """A Qwen3-MoE layer's config and random router and expert weights (E 32, M 24, k 2)."""
+    config = ModelConfig(
+        model_type="qwen3_moe",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        num_experts=experts,
+        experts_per_token=2,
+        moe_intermediate_size=24,
+        norm_topk_prob=True,
+    )
+    specs = layer_param_specs(config)
+    keys = iter(jax.random.split(jax.random.key(experts), 4))
+    params = {
+        name: 0.3 * jax.random.normal(next(keys), specs[name][0])
+        for name in ("router", "expert_gate_kernel", "expert_up_kernel", "expert_down_kernel")
+    }
+    return config, params
+
+
+def _layer_axes(config, name):
+    return layer_param_specs(config)[name][1]
+
+
+@pytest.mark.parametrize("experts", [8, 3])
+@pytest.mark.parametrize("shape", [(1, 4, 2), (2, 2, 2), (1, 8, 1), (1, 1, 8)])
+def test_experts_on_a_mesh_compute_what_one_device_computes(shape, experts):
+    """One MoE layer's outputs, router stats and gradients (weights and activations) on a
+    (data, fsdp, tensor) mesh equal one device's: 8 experts (whole experts over fsdp:
+    tokens gathered to them and their outputs scattered back) and 3 (no mesh axis divides
+    them: split as a dense MLP is), with 48 tokens (split over the batch axes) and 18 (which
+    fsdp = 4 or 8 does not divide: each device's experts take their share of every token)."""
+    config, params = moe_layer(experts)
+
+    def objective(params, h, weights):
+        out, stats = mixture_of_experts(config, params, h, weights)
+        probed = jnp.sum(out * jnp.cos(h)) + stats.probabilities @ jnp.arange(experts)
+        return probed, (out, stats)
+
+    derivative = jax.jit(jax.value_and_grad(objective, argnums=(0, 1), has_aux=True))
+    rng = np.random.default_rng(experts)
+    mesh = make_mesh(shape)
+    for rows in (8, 3):
+        h = jnp.asarray(rng.normal(size=(rows, 6, 32)), jnp.float32)
+        weights = jnp.asarray(rng.random((rows, 6)) > 0.3, jnp.float32)  # padding weighs 0
+        (_, (out, stats)), grads = derivative(params, h, weights)
+        with rules_context(mesh):
+            placed = {
+                name: jax.device_put(
+                    value, logical_sharding(value.shape, _layer_axes(config, name), mesh)
+                )
+                for name, value in params.items()
+            }
+            (_, (mesh_out, mesh_stats)), mesh_grads = derivative(placed, h, weights)
+        # the experts' outputs summed in another order: f32 rounding of values up to ~10
+        np.testing.assert_allclose(mesh_out, out, atol=2e-6, rtol=2e-6)
+        for got, want in zip(mesh_stats, stats, strict=True):
+            np.testing.assert_allclose(got, want, rtol=1e-6)
+        for got, want in zip(jax.tree.leaves(mesh_grads), jax.tree.leaves(grads), strict=True):
+            np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+        assert float(jnp.abs(out).max()) > 0.1 and float(stats.tokens) == weights.sum()
+
+
+def test_expert_parallelism_moves_tokens_not_the_experts_weights():
+    """On fsdp=4 x tensor=2, the compiled forward and backward of a layer of 8 experts
+    all-gather only activations and the router (2-D arrays), never an expert's weights;
+    with 3 experts (split by embed over fsdp) it gathers the expert weights as FSDP does."""
+    mesh = make_mesh((1, 4, 2))
+    gathered = {}
+    for experts in (8, 3):
+        config, params = moe_layer(experts)
+
+        def squared(params, h, config=config):
+            return jnp.sum(mixture_of_experts(config, params, h)[0] ** 2)
+
+        with rules_context(mesh):
+            placed = {
+                name: jax.ShapeDtypeStruct(
+                    value.shape,
+                    value.dtype,
+                    sharding=logical_sharding(value.shape, _layer_axes(config, name), mesh),
+                )
+                for name, value in params.items()
+            }
+            h = jax.ShapeDtypeStruct(
+                (8, 6, 32),
+                jnp.float32,
+                sharding=logical_sharding((8, 6, 32), ("batch", "length", "embed"), mesh),
+            )
+            program = jax.jit(jax.grad(squared)).lower(placed, h).compile().as_text()
+        results = re.findall(r"= (\w+\[[\d,]*\])\S* all-gather(?:-start)?\(", program)
+        gathered[experts] = [shape for shape in results if shape.count(",") == 2]  # 3-D
+        assert results, "the tokens are gathered to their experts"
+    assert gathered[8] == []
+    assert sorted(gathered[3]) == ["f32[3,12,32]", "f32[3,32,12]", "f32[3,32,12]"]

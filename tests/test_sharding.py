@@ -89,6 +89,16 @@ def test_rules_place_each_parameter():
     assert logical_spec((2, 64, 8, 8), axes["layers"]["q_kernel"], wide) == PartitionSpec(
         None, None, "tensor", None
     )
+    # Experts [L, X, E, M]: whole experts over fsdp (expert parallelism), mlp over tensor;
+    # experts that fsdp does not divide leave it to embed, as a dense MLP's weights.
+    experts = ("layers", "expert", "embed", "mlp")
+    assert logical_spec((2, 8, 64, 32), experts, mesh) == PartitionSpec(
+        None, "fsdp", None, "tensor"
+    )
+    assert logical_spec((2, 3, 64, 32), experts, mesh) == PartitionSpec(
+        None, None, "fsdp", "tensor"
+    )
+    assert logical_spec((64, 8), ("embed", "expert"), mesh) == PartitionSpec(None, "fsdp")
 
 
 @functools.cache
