@@ -266,14 +266,23 @@ def _layer_axes(config, name):
     return layer_param_specs(config)[name][1]
 
 
-@pytest.mark.parametrize("experts", [8, 3])
-@pytest.mark.parametrize("shape", [(1, 4, 2), (2, 2, 2), (1, 8, 1), (1, 1, 8)])
-def test_experts_on_a_mesh_compute_what_one_device_computes(shape, experts):
+@pytest.mark.parametrize(
+    ("shape", "experts", "rows"),
+    [
+        ((1, 4, 2), 8, 8),  # whole experts over fsdp, tokens gathered to them; mlp over tensor
+        ((2, 2, 2), 8, 8),  # the same within each data replica
+        ((1, 8, 1), 8, 3),  # 18 tokens that fsdp does not divide: copies summed
+        ((1, 1, 8), 8, 3),  # tensor alone
+        ((1, 4, 2), 3, 8),  # 3 experts: split by embed as a dense MLP, gathered
+        ((1, 8, 1), 3, 3),
+    ],
+)
+def test_experts_on_a_mesh_compute_what_one_device_computes(shape, experts, rows):
     """One MoE layer's outputs, router stats and gradients (weights and activations) on a
     (data, fsdp, tensor) mesh equal one device's: 8 experts (whole experts over fsdp:
-    tokens gathered to them and their outputs scattered back) and 3 (no mesh axis divides
-    them: split as a dense MLP is), with 48 tokens (split over the batch axes) and 18 (which
-    fsdp = 4 or 8 does not divide: each device's experts take their share of every token)."""
+    tokens gathered to them and their outputs scattered back, or, when fsdp does not divide
+    the rows x 6 tokens, each device's experts take their share of every token) and 3 (no
+    mesh axis divides them: split as a dense MLP is)."""
     config, params = moe_layer(experts)
 
     def objective(params, h, weights):
@@ -283,26 +292,25 @@ def test_experts_on_a_mesh_compute_what_one_device_computes(shape, experts):
 
     derivative = jax.jit(jax.value_and_grad(objective, argnums=(0, 1), has_aux=True))
     rng = np.random.default_rng(experts)
+    h = jnp.asarray(rng.normal(size=(rows, 6, 32)), jnp.float32)
+    weights = jnp.asarray(rng.random((rows, 6)) > 0.3, jnp.float32)  # padding weighs 0
+    (_, (out, stats)), grads = derivative(params, h, weights)
     mesh = make_mesh(shape)
-    for rows in (8, 3):
-        h = jnp.asarray(rng.normal(size=(rows, 6, 32)), jnp.float32)
-        weights = jnp.asarray(rng.random((rows, 6)) > 0.3, jnp.float32)  # padding weighs 0
-        (_, (out, stats)), grads = derivative(params, h, weights)
-        with rules_context(mesh):
-            placed = {
-                name: jax.device_put(
-                    value, logical_sharding(value.shape, _layer_axes(config, name), mesh)
-                )
-                for name, value in params.items()
-            }
-            (_, (mesh_out, mesh_stats)), mesh_grads = derivative(placed, h, weights)
-        # the experts' outputs summed in another order: f32 rounding of values up to ~10
-        np.testing.assert_allclose(mesh_out, out, atol=2e-6, rtol=2e-6)
-        for got, want in zip(mesh_stats, stats, strict=True):
-            np.testing.assert_allclose(got, want, rtol=1e-6)
-        for got, want in zip(jax.tree.leaves(mesh_grads), jax.tree.leaves(grads), strict=True):
-            np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
-        assert float(jnp.abs(out).max()) > 0.1 and float(stats.tokens) == weights.sum()
+    with rules_context(mesh):
+        placed = {
+            name: jax.device_put(
+                value, logical_sharding(value.shape, _layer_axes(config, name), mesh)
+            )
+            for name, value in params.items()
+        }
+        (_, (mesh_out, mesh_stats)), mesh_grads = derivative(placed, h, weights)
+    # the experts' outputs summed in another order: f32 rounding of values up to ~10
+    np.testing.assert_allclose(mesh_out, out, atol=2e-6, rtol=2e-6)
+    for got, want in zip(mesh_stats, stats, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+    for got, want in zip(jax.tree.leaves(mesh_grads), jax.tree.leaves(grads), strict=True):
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+    assert float(jnp.abs(out).max()) > 0.1 and float(stats.tokens) == weights.sum()
 
 
 def test_expert_parallelism_moves_tokens_not_the_experts_weights():
