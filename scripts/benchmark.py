@@ -9,6 +9,7 @@
     python scripts/benchmark.py padding [...]   # = scripts/benchmark_padding.py [...]
     python scripts/benchmark.py products [...]  # = scripts/benchmark_products.py [...]
     python scripts/benchmark.py lora [...]      # = scripts/benchmark_lora.py [...]
+    python scripts/benchmark.py experts [...]   # = scripts/benchmark_experts.py [...]
 
 `step` times full GRPO steps of the trainer (`jgrpo.train.Trainer`, the addition task, a
 randomly initialised preset): rollout, reward and update apart, completion tokens/s, and the
@@ -36,7 +37,17 @@ import numpy as np
 
 SCRIPTS = Path(__file__).resolve().parent
 # Modes that run their own script, benchmark_MODE.py.
-MODES = ("rollout", "models", "scaling", "memory", "compare", "padding", "products", "lora")
+MODES = (
+    "rollout",
+    "models",
+    "scaling",
+    "memory",
+    "compare",
+    "padding",
+    "products",
+    "lora",
+    "experts",
+)
 # A randomly initialised preset on the addition task: prompts of up to 8 characters.
 ADDITION_PROMPTS = ("task.max_operand=999", "rollout.max_prompt_length=16")
 
