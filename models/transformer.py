@@ -939,9 +939,9 @@ def routed_mlp(
     the other experts' terms are left out (another device adds them). [N, E]
 
     The N * k assignments are sorted by expert (the others' last), so that each expert
-    multiplies one contiguous block of rows: `jax.lax.ragged_dot`. On GPU and TPU it
-    computes only each block's expert; XLA:CPU has no ragged kernel, and JAX lowers it there
-    to a masked product with every expert (C times the work: fine for tests, slow for real
+    multiplies one contiguous block of rows: `jax.lax.ragged_dot`. On GPU and TPU JAX emits
+    XLA's ragged-dot instruction (each block times its expert alone); on CPU it lowers it to
+    a masked product with every expert (C times the work: fine for tests, slow for real
     models)."""
     count = kernels["expert_gate_kernel"].shape[0]
     k = chosen.shape[-1]
