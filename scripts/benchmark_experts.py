@@ -51,7 +51,14 @@ def main() -> int:
 
     from jgrpo.models.config import preset
     from jgrpo.models.transformer import layer_param_specs, mixture_of_experts
-    from jgrpo.sharding import LOGICAL_RULES, logical_sharding, make_mesh, rules_context
+    from jgrpo.sharding import (
+        LOGICAL_RULES,
+        abstract_arrays,
+        logical_sharding,
+        make_mesh,
+        rules_context,
+        tree_shardings,
+    )
 
     config = preset(args.shape)
     if not config.num_experts:
@@ -74,12 +81,12 @@ def main() -> int:
     results = {}
     for label, rules in placements.items():
         with rules_context(mesh, rules):
-            params = {
-                name: jax.ShapeDtypeStruct(
-                    shape, jnp.bfloat16, sharding=logical_sharding(shape, axes, mesh, rules)
-                )
-                for name, (shape, axes) in specs.items()
+            axes = {name: names for name, (_, names) in specs.items()}
+            shapes = {
+                name: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+                for name, (shape, _) in specs.items()
             }
+            params = abstract_arrays(shapes, tree_shardings(shapes, axes, mesh, rules))
             h = jax.ShapeDtypeStruct(
                 batch,
                 jnp.bfloat16,

@@ -99,4 +99,3 @@ def _children_start_with_the_cli_tunables():
     environ = local_huge_page_environment(os.environ)
     if environ is not None:
         os.environ["GLIBC_TUNABLES"] = environ["GLIBC_TUNABLES"]
-    yield

@@ -27,7 +27,13 @@ from jgrpo.models.transformer import (
 )
 from jgrpo.packing import completion_lengths, pack_completions, rows_needed
 from jgrpo.setup import Setup
-from jgrpo.sharding import logical_sharding, make_mesh, rules_context
+from jgrpo.sharding import (
+    abstract_arrays,
+    logical_sharding,
+    make_mesh,
+    rules_context,
+    tree_shardings,
+)
 from jgrpo.train import train
 from jgrpo.update import UpdateConfig, init_state, train_step
 
@@ -262,8 +268,10 @@ def moe_layer(experts: int) -> tuple[ModelConfig, dict]:
     return config, params
 
 
-def _layer_axes(config, name):
-    return layer_param_specs(config)[name][1]
+def layer_shardings(config, params, mesh):
+    """The rules' shardings of `moe_layer`'s weights on `mesh`."""
+    axes = {name: layer_param_specs(config)[name][1] for name in params}
+    return tree_shardings(params, axes, mesh)
 
 
 @pytest.mark.parametrize(
@@ -297,12 +305,7 @@ def test_experts_on_a_mesh_compute_what_one_device_computes(shape, experts, rows
     (_, (out, stats)), grads = derivative(params, h, weights)
     mesh = make_mesh(shape)
     with rules_context(mesh):
-        placed = {
-            name: jax.device_put(
-                value, logical_sharding(value.shape, _layer_axes(config, name), mesh)
-            )
-            for name, value in params.items()
-        }
+        placed = jax.device_put(params, layer_shardings(config, params, mesh))
         (_, (mesh_out, mesh_stats)), mesh_grads = derivative(placed, h, weights)
     # the experts' outputs summed in another order: f32 rounding of values up to ~10
     np.testing.assert_allclose(mesh_out, out, atol=2e-6, rtol=2e-6)
@@ -326,14 +329,7 @@ def test_expert_parallelism_moves_tokens_not_the_experts_weights():
             return jnp.sum(mixture_of_experts(config, params, h)[0] ** 2)
 
         with rules_context(mesh):
-            placed = {
-                name: jax.ShapeDtypeStruct(
-                    value.shape,
-                    value.dtype,
-                    sharding=logical_sharding(value.shape, _layer_axes(config, name), mesh),
-                )
-                for name, value in params.items()
-            }
+            placed = abstract_arrays(params, layer_shardings(config, params, mesh))
             h = jax.ShapeDtypeStruct(
                 (8, 6, 32),
                 jnp.float32,
