@@ -376,8 +376,10 @@ def rollout(
     stops the next row waiting takes the slot, on device, without a host round trip. The
     completion caches then take S / (P * G) of their memory, and a decode step costs S rows
     however ragged the lengths; a row's tokens are those the all-rows loop draws (the same
-    uniforms), and its log-probs equal it to float rounding (XLA picks kernels by batch
-    shape). Slots read their prompt's cache from the shared prompt table by index, so the
+    uniforms). At one S a row's tokens and log-probs are bit-for-bit the same in any slot;
+    across slot counts its log-probs equal the all-rows loop's to float rounding (XLA picks
+    kernels by batch shape), and a draw within that rounding of a token boundary could
+    differ. Slots read their prompt's cache from the shared prompt table by index, so the
     prompts are still prefilled and stored once per group; there are no phases.
 
     With `sampling.weights_dtype="bfloat16"` the weight matrices are cast to bf16 and every
