@@ -25,7 +25,12 @@ one run: today's engine (every row at once), the slot engine with a KV budget of
 today's full-batch cache and with each of `--slots` (default R/2, R/8, R/16 of the R rows), and
 transformers `generate`: decode steps, slot efficiency (tokens drawn by decode steps / (slots
 x decode steps)), seconds, tokens/s, the KV cache (computed from the shapes: prompts once
-+ completion buffers) and the speed against today's engine.
++ completion buffers) and the speed against today's engine. For jgrpo's engines also the
+fraction of the memory roofline: the bytes a decode loop cannot avoid reading (the weight
+matrices once per decode step, and each real token's keys and values once for every later
+token of its row that attends to them) over the peak bandwidth (`--peak-gbps`, e.g. an
+accelerator's HBM figure; by default the bandwidth a jitted sum over 1 GiB reaches here), as a
+share of the measured time. `--bf16-weights` samples every jgrpo engine with bf16 weights.
      python scripts/benchmark.py rollout --ragged --new-tokens 1024 [--preset smollm2-135m]
 """
 
@@ -105,10 +110,43 @@ def ragged_lengths(rows: int, new_tokens: int, median_share: float, spread: floa
     return np.clip(np.round(drawn), 1, new_tokens).astype(np.int32)
 
 
+def decode_weight_bytes(params: dict, dtype) -> int:
+    """Bytes of the weights one decode step reads in `dtype`: every parameter except an untied
+    embedding table, of which a step gathers only its rows' tokens."""
+    sizes = sum(leaf.size for leaf in jax.tree.leaves(params))
+    if "lm_head" in params:
+        sizes -= params["embed"].size
+    return sizes * jnp.dtype(dtype).itemsize
+
+
+def attended_tokens(lengths: np.ndarray, prompt_length: int) -> int:
+    """Cache slots the decode steps of rows of `lengths` tokens attend to: the step drawing a
+    row's token t (t = 1 .. length - 1; token 0 comes from the prefill) reads the prompt and
+    the t tokens before it."""
+    steps = np.maximum(lengths.astype(np.int64) - 1, 0)
+    return int((steps * prompt_length + steps * (steps + 1) // 2).sum())
+
+
+def peak_bandwidth(gigabytes: float = 1.0, repeats: int = 5) -> float:
+    """Bytes/s a jitted sum over `gigabytes` of f32 reaches on the default device (best of
+    `repeats`): the read bandwidth this process can get, for the roofline when no figure is
+    given."""
+    data = jnp.ones((int(gigabytes * 2**30) // 4,), jnp.float32)
+    total = jax.jit(jnp.sum)
+    total(data).block_until_ready()
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        total(data).block_until_ready()
+        seconds.append(time.perf_counter() - start)
+    return data.nbytes / min(seconds)
+
+
 def ragged(args, config, model, torch_model, prompt_ids) -> None:
     """The --ragged benchmark (see the module docstring)."""
     from transformers import LogitsProcessor, LogitsProcessorList
 
+    from jgrpo.models.group_decode import cache_bytes_per_slot
     from jgrpo.sampling import kv_cache_bytes
 
     # jgrpo stops on an id outside the vocabulary, which it never samples; transformers on
@@ -121,6 +159,13 @@ def ragged(args, config, model, torch_model, prompt_ids) -> None:
     mask = jnp.ones_like(ids)
     stop_after = jnp.asarray(lengths)
     params = model.params()
+    weights_dtype = "bfloat16" if args.bf16_weights else "float32"
+    # The roofline: bytes no decode loop can avoid reading, against the peak bandwidth.
+    step_bytes = decode_weight_bytes(params, weights_dtype)
+    attended_bytes = attended_tokens(lengths, args.prompt_length) * cache_bytes_per_slot(
+        config, jnp.float32
+    )
+    peak = args.peak_gbps * 1e9 if args.peak_gbps else peak_bandwidth()
 
     def kv_bytes(slots: int) -> int:
         prompts = kv_cache_bytes(args.prompts, args.prompt_length, config, jnp.float32)
@@ -142,6 +187,7 @@ def ragged(args, config, model, torch_model, prompt_ids) -> None:
             temperature=1.0,
             stop_token_ids=(never_sampled,),
             max_concurrent=slots,
+            weights_dtype=weights_dtype,
         )
 
         def run(seed, sampling=sampling):
@@ -203,23 +249,34 @@ def ragged(args, config, model, torch_model, prompt_ids) -> None:
         results["transformers generate"] = (rows, steps, efficiency, seconds, made.sum())
 
     print(
-        f"preset {args.preset} ({config.num_params / 1e6:.1f}M params, f32); {args.prompts} "
+        f"preset {args.preset} ({config.num_params / 1e6:.1f}M params, f32; jgrpo samples with "
+        f"{weights_dtype} weights); {args.prompts} "
         f"prompts x {args.generations} = {rows} sequences, prompt length {args.prompt_length}, "
         f"max_new_tokens {new_tokens}; lengths log-normal: median {int(np.median(lengths))}, "
         f"mean {lengths.mean():.0f}, max {lengths.max()} ({lengths.sum()} tokens); "
         f"median of {args.repeats}; jax {jax.__version__} ({jax.default_backend()}), "
         f"torch {torch.__version__} ({torch.get_num_threads()} threads)"
     )
+    source = "--peak-gbps" if args.peak_gbps else "a jitted sum over 1 GiB, measured here"
+    print(
+        f"roofline: {step_bytes / 2**20:.1f} MiB of weights per decode step, "
+        f"{attended_bytes / 2**20:.1f} MiB of keys and values attended in all; peak "
+        f"{peak / 1e9:.1f} GB/s ({source})"
+    )
     print(
         f"\n{'engine':<34}{'slots':>6}{'steps':>7}{'efficiency':>12}{'seconds':>9}"
-        f"{'tokens/s':>10}{'KV MiB':>9}{'today/this':>12}"
+        f"{'tokens/s':>10}{'KV MiB':>9}{'today/this':>12}{'roofline':>10}"
     )
     today = results["today: every row at once"][3]
     for name, (slots, steps, efficiency, seconds, tokens) in results.items():
-        kv = f"{'':>9}" if name.startswith("transformers") else f"{kv_bytes(slots) / 2**20:9.1f}"
+        kv, roofline = f"{'':>9}", f"{'':>10}"
+        if not name.startswith("transformers"):
+            kv = f"{kv_bytes(slots) / 2**20:9.1f}"
+            least_seconds = (steps * step_bytes + attended_bytes) / peak
+            roofline = f"{least_seconds / seconds:>10.3f}"
         print(
             f"{name:<34}{slots:>6}{steps:>7}{efficiency:>12.3f}{seconds:>9.2f}"
-            f"{tokens / seconds:>10.0f}{kv}{today / seconds:>12.2f}"
+            f"{tokens / seconds:>10.0f}{kv}{today / seconds:>12.2f}{roofline}"
         )
     slotted = {name: result for name, result in results.items() if name.startswith("slots")}
     fastest = min(slotted, key=lambda name: slotted[name][3])
@@ -242,7 +299,9 @@ def main() -> None:
     parser.add_argument("--prefill-length", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
-        "--bf16-weights", action="store_true", help="also time jgrpo with bf16 sampling weights"
+        "--bf16-weights",
+        action="store_true",
+        help="also time jgrpo with bf16 sampling weights (--ragged: every jgrpo engine)",
     )
     parser.add_argument("--ragged", action="store_true", help="long ragged completions, slots")
     parser.add_argument(
@@ -251,6 +310,13 @@ def main() -> None:
     parser.add_argument("--median-share", type=float, default=0.15)
     parser.add_argument("--spread", type=float, default=1.0, help="log-normal sigma")
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument(
+        "--peak-gbps",
+        type=float,
+        default=None,
+        help="--ragged: the device's peak memory bandwidth in GB/s for the roofline "
+        "(default: measured with a jitted sum)",
+    )
     args = parser.parse_args()
     reexec_with_huge_pages()  # as the CLI does; returns where it would not help
 
