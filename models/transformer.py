@@ -969,12 +969,11 @@ def _experts_over_mesh(
     mlp_axes = _dividing_mesh_axes("mlp", config.moe_intermediate_size, mesh, rules)
     gathered = tuple(axis for axis in expert_axes if axis in token_axes)
     copied = tuple(axis for axis in expert_axes if axis not in token_axes)
-    count = config.num_experts // math.prod(mesh.shape[axis] for axis in expert_axes)
     rows, experts, mlp = (_spec_entry(axes) for axes in (token_axes, expert_axes, mlp_axes))
     P = jax.sharding.PartitionSpec
 
     def per_device(tokens, weight, router, gate, up, down):
-        first = jax.lax.axis_index(expert_axes) * count if expert_axes else 0
+        first = jax.lax.axis_index(expert_axes) * gate.shape[0] if expert_axes else 0
         kernels = dict(zip(EXPERT_WEIGHTS, (gate, up, down), strict=True), router=router)
         out, stats = _experts_of_tokens(
             config, kernels, tokens, weight, first, gathered=gathered, copied=copied

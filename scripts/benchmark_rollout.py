@@ -45,22 +45,44 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-import torch
 from benchmark_models import write_checkpoint  # scripts/ is on sys.path when run as a script
-from transformers import AutoModelForCausalLM
+from flax import nnx
 
 from jgrpo import models
 from jgrpo.huge_pages import reexec_with_huge_pages
 from jgrpo.sampling import SamplingConfig, rollout
 
 
-def median_seconds(run, repeats: int) -> float:
+def run_seconds(run, repeats: int) -> list[float]:
+    """The wall time of each of `repeats` calls run(0), run(1), ..."""
     times = []
     for repeat in range(repeats):
         start = time.perf_counter()
         run(repeat)
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
+
+
+def median_seconds(run, repeats: int) -> float:
+    return statistics.median(run_seconds(run, repeats))
+
+
+def import_torch():
+    """torch, for the transformers side; where it is missing, an error that says what to do."""
+    try:
+        import torch
+    except ModuleNotFoundError:
+        raise SystemExit(
+            "benchmark.py rollout times transformers' generate beside jgrpo, which needs torch: "
+            "pip install torch==2.13.0 (its CPU build). `--ragged --skip-transformers` times "
+            "jgrpo alone and needs only jgrpo."
+        ) from None
+    return torch
+
+
+def torch_versions() -> str:
+    torch = import_torch()
+    return f"torch {torch.__version__} ({torch.get_num_threads()} threads)"
 
 
 def jgrpo_sampler(model, ids, mask, generations, new_tokens, weights_dtype="float32"):
@@ -88,6 +110,7 @@ def jgrpo_sampler(model, ids, mask, generations, new_tokens, weights_dtype="floa
 def transformers_sample(torch_model, prompt_ids, generations: int, seed: int, **options):
     """transformers' `generate` sampling `generations` completions of each prompt (temperature
     1, no top-k / top-p), seeded; `options` are the run's own (lengths, stops)."""
+    torch = import_torch()
     torch.manual_seed(seed)
     torch_ids = torch.tensor(prompt_ids)
     with torch.inference_mode():
@@ -134,18 +157,56 @@ def peak_bandwidth(gigabytes: float = 1.0, repeats: int = 5) -> float:
     data = jnp.ones((int(gigabytes * 2**30) // 4,), jnp.float32)
     total = jax.jit(jnp.sum)
     total(data).block_until_ready()
-    seconds = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        total(data).block_until_ready()
-        seconds.append(time.perf_counter() - start)
-    return data.nbytes / min(seconds)
+    return data.nbytes / min(run_seconds(lambda _: total(data).block_until_ready(), repeats))
+
+
+def transformers_ragged(args, torch_model, prompt_ids, lengths: np.ndarray, eos: int) -> tuple:
+    """transformers' `generate` of the rows of `lengths` (its logits processor allows EOS at
+    each row's chosen step only): (rows, decode steps, efficiency, seconds, tokens)."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    torch = import_torch()
+    rows = len(lengths)
+
+    class ForcedStop(LogitsProcessor):
+        """Row r's token lengths[r] - 1 is EOS, and no other (rows prompt-major, as generate
+        orders them)."""
+
+        def __call__(self, input_ids, scores):
+            drawn = input_ids.shape[1] - args.prompt_length
+            stop = torch.as_tensor(drawn + 1 >= lengths)
+            scores[:, eos] = -float("inf")
+            scores[stop] = -float("inf")
+            scores[stop, eos] = 0.0
+            return scores
+
+    latest = {}
+
+    def torch_generate(seed):
+        latest["out"] = transformers_sample(
+            torch_model,
+            prompt_ids,
+            args.generations,
+            seed,
+            max_new_tokens=args.new_tokens,
+            logits_processor=LogitsProcessorList([ForcedStop()]),
+            eos_token_id=eos,
+            pad_token_id=0,
+        )
+
+    torch_generate(0)  # warm-up
+    seconds = median_seconds(lambda r: torch_generate(r + 1), args.repeats)
+    completions = latest["out"][:, args.prompt_length :].numpy()
+    made = np.where(
+        (completions == eos).any(1), (completions == eos).argmax(1) + 1, args.new_tokens
+    )
+    np.testing.assert_array_equal(made, lengths)
+    steps = int(made.max()) - 1
+    return rows, steps, (made.sum() - rows) / (rows * steps), seconds, made.sum()
 
 
 def ragged(args, config, model, torch_model, prompt_ids) -> None:
-    """The --ragged benchmark (see the module docstring)."""
-    from transformers import LogitsProcessor, LogitsProcessorList
-
+    """The --ragged benchmark (see the module docstring); `torch_model` None: jgrpo alone."""
     from jgrpo.models.group_decode import cache_bytes_per_slot
     from jgrpo.sampling import kv_cache_bytes
 
@@ -212,41 +273,10 @@ def ragged(args, config, model, torch_model, prompt_ids) -> None:
         used, steps = slots or rows, int(np.asarray(last.finished_at).max())
         results[name] = (used, steps, (made.sum() - rows) / (used * steps), seconds, made.sum())
 
-    class ForcedStop(LogitsProcessor):
-        """Row r's token lengths[r] - 1 is EOS, and no other (rows prompt-major, as generate
-        orders them)."""
-
-        def __call__(self, input_ids, scores):
-            drawn = input_ids.shape[1] - args.prompt_length
-            stop = torch.as_tensor(drawn + 1 >= lengths)
-            scores[:, eos] = -float("inf")
-            scores[stop] = -float("inf")
-            scores[stop, eos] = 0.0
-            return scores
-
-    def torch_generate(seed):
-        out = transformers_sample(
-            torch_model,
-            prompt_ids,
-            args.generations,
-            seed,
-            max_new_tokens=new_tokens,
-            logits_processor=LogitsProcessorList([ForcedStop()]),
-            eos_token_id=eos,
-            pad_token_id=0,
+    if torch_model is not None:
+        results["transformers generate"] = transformers_ragged(
+            args, torch_model, prompt_ids, lengths, eos
         )
-        latest["transformers"] = out
-        return out
-
-    if not args.skip_transformers:
-        torch_generate(0)  # warm-up
-        seconds = median_seconds(lambda r: torch_generate(r + 1), args.repeats)
-        completions = latest["transformers"][:, args.prompt_length :].numpy()
-        made = np.where((completions == eos).any(1), (completions == eos).argmax(1) + 1, new_tokens)
-        np.testing.assert_array_equal(made, lengths)
-        steps = int(made.max()) - 1
-        efficiency = (made.sum() - rows) / (rows * steps)
-        results["transformers generate"] = (rows, steps, efficiency, seconds, made.sum())
 
     print(
         f"preset {args.preset} ({config.num_params / 1e6:.1f}M params, f32; jgrpo samples with "
@@ -254,8 +284,8 @@ def ragged(args, config, model, torch_model, prompt_ids) -> None:
         f"prompts x {args.generations} = {rows} sequences, prompt length {args.prompt_length}, "
         f"max_new_tokens {new_tokens}; lengths log-normal: median {int(np.median(lengths))}, "
         f"mean {lengths.mean():.0f}, max {lengths.max()} ({lengths.sum()} tokens); "
-        f"median of {args.repeats}; jax {jax.__version__} ({jax.default_backend()}), "
-        f"torch {torch.__version__} ({torch.get_num_threads()} threads)"
+        f"median of {args.repeats}; jax {jax.__version__} ({jax.default_backend()})"
+        + ("" if torch_model is None else f", {torch_versions()}")
     )
     source = "--peak-gbps" if args.peak_gbps else "a jitted sum over 1 GiB, measured here"
     print(
@@ -321,12 +351,18 @@ def main() -> None:
     reexec_with_huge_pages()  # as the CLI does; returns where it would not help
 
     config = models.preset(args.preset)
-    torch.set_num_threads(os.cpu_count())
     rng = np.random.default_rng(0)
     prompt_ids = rng.integers(3, config.vocab_size, (args.prompts, args.prompt_length))  # [P, L]
     rows = args.prompts * args.generations
     generated = rows * args.new_tokens
 
+    if args.ragged and args.skip_transformers:  # jgrpo alone: random weights, no torch
+        ragged(args, config, models.Transformer(config, rngs=nnx.Rngs(0)), None, prompt_ids)
+        return
+    torch = import_torch()
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(os.cpu_count())
     with tempfile.TemporaryDirectory() as directory:
         write_checkpoint(args.preset, directory)  # random Llama, seed 0: both sides load it
         model = models.from_pretrained(directory)

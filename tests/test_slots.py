@@ -115,7 +115,7 @@ def test_a_rows_draws_are_bit_for_bit_the_same_in_any_slot_beside_any_rows(hf_ch
     model = from_pretrained(hf_checkpoint("qwen3")[0])
     before = sample(model, 3)
     rows, steps = before.tokens.shape
-    cut = np.flatnonzero(np.asarray(before.lengths) > 2)[:3]  # the first slots' first rows
+    cut = np.flatnonzero(np.asarray(before.lengths) > 2)[:3]  # three early rows, cut short
     stop_after = np.full(rows, steps + 1, np.int32)  # steps + 1: never
     stop_after[cut] = 2
     after = sample(model, 3, stop_after=jnp.asarray(stop_after))
