@@ -85,9 +85,11 @@ def refill_schedule(lengths: np.ndarray, slots: int) -> np.ndarray:
 def test_slots_draw_the_tokens_of_the_all_rows_loop(family, settings, hf_checkpoint):
     """Each row's tokens depend on the seed, the prompt and the row, not on the slot that ran
     it or on how many slots there are; its log-probs equal the all-rows loop's to float
-    rounding (measured 0 to 1.5e-6: XLA:CPU picks its kernels by batch shape, e.g. a
-    one-row product is a matrix-vector kernel, and a row sum over 256 columns rounds
-    differently for 16 rows than for 15)."""
+    rounding (XLA:CPU picks its kernels by batch shape, e.g. a one-row product is a
+    matrix-vector kernel, and a row sum over 256 columns rounds differently for 16 rows than
+    for 15). Measured 0 to 1.5e-6 on a Zen 4 host with AVX-512; on a Zen 3 host without it
+    (2026-12-08) gemma3's 3 slots put one log-prob of 288 2.4e-6 off (-4.567057 against
+    -4.567060, 5 float32 ulps), the others within 1.5e-6."""
     model = from_pretrained(hf_checkpoint(family)[0])
     everything = sample(model, 0, **settings)
     lengths = np.asarray(everything.lengths)
@@ -101,7 +103,7 @@ def test_slots_draw_the_tokens_of_the_all_rows_loop(family, settings, hf_checkpo
             np.testing.assert_array_equal(getattr(result, name), getattr(everything, name), name)
         for name in ("logprobs", "sampler_logprobs"):
             np.testing.assert_allclose(
-                getattr(result, name), getattr(everything, name), atol=2e-6, rtol=0
+                getattr(result, name), getattr(everything, name), atol=3e-6, rtol=0
             )
         np.testing.assert_array_equal(result.finished_at, refill_schedule(lengths, slots))
 
