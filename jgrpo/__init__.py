@@ -7,7 +7,7 @@ Sampling, generation and the update step build on `jgrpo.models` (Flax; the repo
 
 import importlib
 
-from jgrpo.advantages import GroupStats, group_advantages, group_statistics
+from jgrpo.advantages import GroupStats, group_advantages, group_statistics, zero_signal_groups
 from jgrpo.logprobs import chunked_token_logprobs, token_logprobs
 from jgrpo.losses import (
     grpo_loss,
@@ -21,9 +21,8 @@ from jgrpo.losses import (
 _LAZY = {
     "generate": "jgrpo.generation",
     "Generations": "jgrpo.generation",
-    "rollout": "jgrpo.sampling",
-    "Rollout": "jgrpo.sampling",
-    "SamplingConfig": "jgrpo.sampling",
+    "Rollout": "jgrpo.rollout",
+    "SamplingConfig": "jgrpo.rollout",
     "Batch": "jgrpo.update",
     "TrainState": "jgrpo.update",
     "UpdateConfig": "jgrpo.update",
@@ -49,12 +48,12 @@ __all__ = [
     "init_state",
     "make_optimizer",
     "off_policy_mask",
-    "rollout",
     "sampler_weights",
     "sequence_kl",
     "token_kl",
     "token_logprobs",
     "train_step",
+    "zero_signal_groups",
 ]
 __version__ = "0.1.0"
 

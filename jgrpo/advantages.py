@@ -28,7 +28,7 @@ class GroupStats(NamedTuple):
     count: jax.Array  # int32: valid members in the group
     mean: jax.Array  # f32
     std: jax.Array  # f32, with the requested ddof; 0 for degenerate groups
-    degenerate: jax.Array  # bool: < 2 valid members, or all valid rewards equal (no signal)
+    degenerate: jax.Array  # bool: no signal, as `zero_signal_groups` decides
 
 
 def _safe_sqrt(x: jax.Array) -> jax.Array:
@@ -54,11 +54,46 @@ def group_statistics(
     """Count, mean, std and the no-signal flag of every group, from segment sums.
 
     Only valid members enter the statistics. A group is `degenerate` when it has fewer than
-    two valid members or all its valid rewards are equal; its advantages are exactly 0.
+    two valid members or all its valid rewards are equal (`zero_signal_groups`); its
+    advantages are exactly 0.
     """
     rewards, group_ids, valid = _check_inputs(rewards, group_ids, num_groups, valid)
     check_choice("std_ddof", std_ddof, STD_DDOFS)
     return _statistics(rewards, group_ids, num_groups, valid, std_ddof)
+
+
+def zero_signal_groups(
+    rewards: jax.Array,  # f32[B]
+    group_ids: jax.Array,  # int[B] in [0, num_groups)
+    num_groups: int,
+    *,
+    valid: jax.Array | None = None,  # bool[B]
+) -> jax.Array:  # bool[num_groups]
+    """The groups that carry no signal: fewer than two valid members, or all valid rewards equal.
+
+    The one definition of a group without signal: `group_statistics` calls it `degenerate`,
+    `group_advantages` gives its members advantage 0 exactly, and the trainer counts these
+    groups (`frac_zero_std`) and, with dynamic sampling, replaces them. A group with no valid
+    member has no signal. Invalid members are ignored, as in `group_advantages`; ragged
+    groups in any order, as there. Equality is tested on the f32 rewards themselves, not on
+    a variance that rounding can leave at 1e-16.
+
+    The flag does not depend on `scale`, `std_ddof`, `eps` or `clip`, and for every `scale`
+    ("group", "batch", "none") it means the same as "every member's advantage is 0": a group
+    without signal gets 0 exactly, and a group with signal has a valid member whose reward
+    differs from the group mean, hence a nonzero advantage (NaN where a valid reward is NaN).
+    With beta > 0 the KL term still acts on the members of a group without signal.
+    """
+    rewards, group_ids, valid = _check_inputs(rewards, group_ids, num_groups, valid)
+    return _zero_signal(rewards, group_ids, num_groups, valid)
+
+
+def _zero_signal(rewards, group_ids, num_groups, valid) -> jax.Array:
+    segment = dict(segment_ids=group_ids, num_segments=num_groups)
+    count = jax.ops.segment_sum(valid.astype(jnp.int32), **segment)
+    group_max = jax.ops.segment_max(jnp.where(valid, rewards, -jnp.inf), **segment)
+    group_min = jax.ops.segment_min(jnp.where(valid, rewards, jnp.inf), **segment)
+    return (count < 2) | (group_max <= group_min)
 
 
 def _statistics(rewards, group_ids, num_groups, valid, std_ddof) -> GroupStats:
@@ -71,11 +106,7 @@ def _statistics(rewards, group_ids, num_groups, valid, std_ddof) -> GroupStats:
     variance = jax.ops.segment_sum(jnp.square(deviation), **segment) / jnp.maximum(
         count - std_ddof, 1
     ).astype(jnp.float32)
-    # Equality is tested on the rewards themselves, not on a variance that rounding can leave
-    # at 1e-16: a group of equal rewards must give advantage 0 exactly.
-    group_max = jax.ops.segment_max(jnp.where(valid, rewards, -jnp.inf), **segment)
-    group_min = jax.ops.segment_min(jnp.where(valid, rewards, jnp.inf), **segment)
-    degenerate = (count < 2) | (group_max <= group_min)
+    degenerate = _zero_signal(rewards, group_ids, num_groups, valid)  # advantage 0 exactly
     std = jnp.where(degenerate, 0.0, _safe_sqrt(variance))
     return GroupStats(count=count, mean=mean, std=std, degenerate=degenerate)
 

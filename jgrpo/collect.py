@@ -1,7 +1,7 @@
 """Collect: a step's prompts -> G completions each -> rewards -> the step's `Groups`.
 
 `collect_groups` takes the next prompts of the task (order fixed by the seed, from the data
-position), samples G completions of each on the mesh (`jgrpo.sampling.rollout`), decodes and
+position), samples G completions of each on the mesh (`jgrpo.rollout.rollout`), decodes and
 scores them (`jgrpo.rewards.score_completions`), adds the optional overlong penalty and
 KL-in-reward term, and with dynamic sampling replaces groups whose rewards are all equal by
 groups of new prompts. It returns this process's rows, the metrics of every process's rows,
@@ -23,8 +23,9 @@ from jgrpo.batches import to_batch
 from jgrpo.generation import encode_prompts, pad_prompts
 from jgrpo.groups import Groups
 from jgrpo.losses import sequence_kl
+from jgrpo.programs import zero_signal_program
 from jgrpo.rewards import Scores, score_completions
-from jgrpo.sampling import Rollout, concurrent_rows
+from jgrpo.rollout import Rollout, concurrent_rows
 from jgrpo.sharding import rules_context
 
 if TYPE_CHECKING:
@@ -45,6 +46,7 @@ def collect_groups(
     local_prompts = stop - first
     attempts = 1 + (c.algorithm.max_extra_rollouts if c.algorithm.dynamic_sampling else 0)
     sampled: list[Groups] = []
+    signal_free: list[np.ndarray] = []  # bool[local prompts] of each rollout
     kept: list[Groups] = []
     metrics: dict[str, float] = {"time/rollout": 0.0, "time/reward": 0.0}
     decode_steps = 0
@@ -63,16 +65,17 @@ def collect_groups(
         for name, count in timings.get("episodes", {}).items():
             episode_counts[name] = episode_counts.get(name, 0) + count
         sampled.append(groups)
+        signal_free.append(zero_signal_of(groups, g))
         if not c.algorithm.dynamic_sampling:
             break
-        with_signal = np.flatnonzero(~zero_signal(groups.rewards, groups.valid, g))
+        with_signal = np.flatnonzero(~signal_free[-1])
         if with_signal.size:
             kept.append(groups.select_groups(with_signal, g))
         # Every process samples again until all of them have enough groups.
         if distributed.agree_all(sum(len(k.rewards) for k in kept) >= local_prompts * g):
             break
     everything = Groups.concatenate(sampled)
-    flat_all = zero_signal(everything.rewards, everything.valid, g)
+    flat_all = np.concatenate(signal_free)
     batch_groups = everything
     if c.algorithm.dynamic_sampling:
         missing = local_prompts - sum(len(k.rewards) for k in kept) // g
@@ -109,9 +112,9 @@ def collect_groups(
         metrics["truncated/turns"] = counts["truncated/turns"] / episodes
         metrics["truncated/tokens"] = counts["truncated/tokens"] / episodes
         metrics["model_tokens/mean"] = float(gather(everything.loss_mask.sum(1)).mean())
-        return batch_groups, metrics, position
-    # The decode loop: slots x decode steps it ran, and the share of them that drew a token
-    # (each row's first token comes from the prefill, outside the loop).
+    # The decode loop: slots x decode steps it ran, and the share of them that wrote a token
+    # (each row's first token comes from the prefill, outside the loop; a multi-turn row's
+    # answers between turns are written by decode steps too, its rounds' steps summed).
     slots = concurrent_rows(setup.sampling.max_concurrent, p * g) or p * g
     metrics["rollout/concurrent"] = slots
     metrics["rollout/decode_steps"] = decode_steps
@@ -227,14 +230,14 @@ def sample_episodes_and_score(
     setup: Setup, params, ref_params, examples, key, pool: VerifierPool | None
 ) -> tuple[Groups, dict]:
     """`sample_and_score` for multi-turn tasks: episodes of turns and tool or environment
-    answers (`jgrpo.turns`), scored on their conversations."""
+    answers (`jgrpo.rollout.turns`), scored on their conversations."""
     g = setup.group_size
     timings = {}
     start = time.perf_counter()
     examples = setup.block.take(examples)
     episodes = run_setup_episodes(setup, params, examples, key, setup.sampling, g)
     timings["time/rollout"] = time.perf_counter() - start
-    timings["decode_steps"] = 0  # host-driven turns: not one decode loop
+    timings["decode_steps"] = episodes.decode_steps  # every round's, the same on every process
 
     start = time.perf_counter()
     rows_examples = [example for example in examples for _ in range(g)]
@@ -269,8 +272,8 @@ def sample_episodes_and_score(
 
 
 def run_setup_episodes(setup: Setup, params, examples, key, sampling, num_generations):
-    """This process's episodes of `examples` (`jgrpo.turns.run_episodes`) on the mesh."""
-    from jgrpo.turns import run_episodes
+    """This process's episodes of `examples` (`jgrpo.rollout.turns.run_episodes`) on the mesh."""
+    from jgrpo.rollout.turns import run_episodes
 
     width = setup.prompt_widths["train"]
     with rules_context(setup.mesh):
@@ -397,13 +400,14 @@ def as_completion(prompt: Any, text: str) -> Any:
     return text if isinstance(prompt, str) else [{"role": "assistant", "content": text}]
 
 
-def zero_signal(rewards: np.ndarray, valid: np.ndarray, group_size: int) -> np.ndarray:
-    """bool[groups]: groups whose valid rewards are all equal (advantage 0, no gradient)."""
-    rewards = rewards.reshape(-1, group_size)
-    valid = valid.reshape(-1, group_size)
-    high = np.where(valid, rewards, -np.inf).max(axis=1)
-    low = np.where(valid, rewards, np.inf).min(axis=1)
-    return ~(high > low)
+def zero_signal_of(groups: Groups, group_size: int) -> np.ndarray:
+    """bool[groups]: `jgrpo.zero_signal_groups` of prompt-major rows (advantage 0, no
+    gradient); one compiled program per run, as every rollout has the same rows."""
+    rows = len(groups.rewards)
+    group_ids = jnp.asarray(np.arange(rows) // group_size, jnp.int32)
+    return np.asarray(
+        zero_signal_program(groups.rewards, group_ids, rows // group_size, valid=groups.valid)
+    )
 
 
 def overlong_penalty(lengths: np.ndarray, limit: int, buffer: int, factor: float) -> np.ndarray:

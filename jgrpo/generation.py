@@ -1,7 +1,7 @@
 """Completions from a model for text or chat prompts; `main` is `python -m jgrpo.generate`.
 
 Prompts are tokenized on the host, left-padded to a length bucket (so new prompts of similar
-length reuse the compiled program), and sampled with `jgrpo.sampling.rollout`.
+length reuse the compiled program), and sampled with `jgrpo.rollout.rollout`.
 
     python -m jgrpo.generate --model PATH --prompt "What is 2 + 2?" --num-generations 4
 """
@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jgrpo.sampling import Rollout, SamplingConfig, rollout
+from jgrpo.rollout import Rollout, SamplingConfig, rollout
 
 DEFAULT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 

@@ -69,7 +69,7 @@ def chunked_token_logprobs(
     backward at the compare workload's shapes took 2.2-2.3 against 2.6-2.8 s on CPU,
     docs/benchmarks.md). Without differentiation nothing is stored either way. Logits are
     accumulated in f32 whatever the input dtype. A table in a lower precision than the
-    hidden states (bf16 for f32 ones, as `jgrpo.models.transformer.with_matmul_weights` makes)
+    hidden states (bf16 for f32 ones, as `jgrpo.models.precision.with_matmul_weights` makes)
     rounds the hidden states to its dtype: every product, forward and backward, takes bf16
     operands and sums in f32.
 
@@ -301,7 +301,7 @@ _logsumexp_and_entropy.defvjp(_logsumexp_and_entropy_fwd, _logsumexp_and_entropy
 def _row_major(x: jax.Array) -> jax.Array:
     """x written out in row-major order on CPU (a transpose materialised, not folded into the
     next product, which XLA:CPU then runs in bf16 only untransposed); elsewhere unchanged.
-    `jgrpo.models.transformer.row_major` does the same: this module stays free of the model
+    `jgrpo.models.precision.row_major` does the same: this module stays free of the model
     stack."""
     if jax.default_backend() != "cpu":
         return x

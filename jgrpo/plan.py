@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jgrpo.config import ConfigError, load_config
-from jgrpo.sampling import concurrent_rows, kv_cache_bytes
+from jgrpo.rollout import concurrent_rows, kv_cache_bytes
 from jgrpo.setup import Setup, packing_obstacle, shared_prompt_rows
 from jgrpo.sharding import abstract_arrays, replicated, rules_context
 from jgrpo.update import UpdateConfig

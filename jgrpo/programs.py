@@ -16,9 +16,9 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from jgrpo.advantages import group_advantages
+from jgrpo.advantages import group_advantages, zero_signal_groups
 from jgrpo.models.group_forward import PackedCompletions
-from jgrpo.sampling import Rollout, SamplingConfig, rollout
+from jgrpo.rollout import Rollout, SamplingConfig, rollout
 from jgrpo.sharding import abstract_arrays, replicated, rules_context
 from jgrpo.update import Batch, TrainState, UpdateConfig, completion_logprobs, train_step
 
@@ -38,6 +38,7 @@ def shared_program(key: tuple, build: Callable[[], Callable]) -> Callable:
 group_advantages_program = jax.jit(
     group_advantages, static_argnums=2, static_argnames=("scale", "std_ddof", "eps", "clip")
 )
+zero_signal_program = jax.jit(zero_signal_groups, static_argnums=2)
 
 
 def frozen_logprobs_of(
@@ -167,7 +168,7 @@ class Programs:
         return self._update_compiling[width, packed_rows].result()
 
     def rollout_program(self, sampling: SamplingConfig, num_generations: int) -> Callable:
-        """`jgrpo.sampling.rollout` jitted with the prompts split over the batch axes."""
+        """`jgrpo.rollout.rollout` jitted with the prompts split over the batch axes."""
         key = ("rollout", self.mesh, self.model_config, self.config.model.dtype, self.lora)
         return shared_program(
             (*key, sampling, num_generations), lambda: self._jit_rollout(sampling, num_generations)

@@ -35,10 +35,10 @@ from jgrpo.models.lora import (
     merge_adapters,
     with_adapters,
 )
-from jgrpo.models.transformer import with_rounded_weights
+from jgrpo.models.precision import with_rounded_weights
 from jgrpo.packing import packed_row_counts
 from jgrpo.programs import Programs
-from jgrpo.sampling import SamplingConfig, kv_cache_bytes
+from jgrpo.rollout import SamplingConfig, kv_cache_bytes
 from jgrpo.sharding import (
     make_mesh,
     optimizer_state_shardings,
@@ -167,17 +167,18 @@ def decode_slots(config: Config, model_config, mesh, prompt_width: int) -> int:
     with rules_context(mesh):  # one device's share, as the rollout places the caches
         prompts = kv_cache_bytes(r.prompts_per_step, prompt_width, model_config, dtype)
         per_shard_slot = kv_cache_bytes(
-            shards, r.max_new_tokens, model_config, dtype, completion=True
+            shards, r.completion_tokens, model_config, dtype, completion=True
         )
     budget = int(r.kv_cache_mib * 2**20)
     slots = shards * max(0, (budget - prompts) // per_shard_slot)
     if slots < shards:
         need = (prompts + per_shard_slot) / 2**20
+        tokens_setting = f"rollout.{'max_new_tokens' if r.max_turns == 1 else 'max_total_tokens'}"
         raise ConfigError(
             f"rollout.kv_cache_mib={r.kv_cache_mib} holds no completion slot: on each device "
             f"the prompts' caches take {prompts / 2**20:.2f} MiB and one completion of "
-            f"rollout.max_new_tokens={r.max_new_tokens} tokens {per_shard_slot / 2**20:.2f} MiB; "
-            f"raise it to at least {need:.2f}, or lower max_new_tokens."
+            f"{r.completion_tokens} tokens ({tokens_setting}) {per_shard_slot / 2**20:.2f} MiB; "
+            f"raise it to at least {need:.2f}, or lower that setting."
         )
     if slots >= rows:
         logger.info(

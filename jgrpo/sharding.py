@@ -7,7 +7,7 @@ Mesh axes:
 - `tensor`: tensor parallel; attention heads, MLP units and the vocabulary split.
 
 A mixture of experts puts whole experts on each `fsdp` device (expert parallelism): tokens
-travel to their experts (`jgrpo.models.transformer.mixture_of_experts`), the experts' weights
+travel to their experts (`jgrpo.models.mlp.mixture_of_experts`), the experts' weights
 stay where they are.
 
 Batches (prompts, completions, KV caches) are split over data x fsdp. Rows of a group sit on

@@ -3,7 +3,7 @@
 Setup (`jgrpo.setup`, once): the task and the policy, the mesh, the shardings, the optimizer,
 the compiled programs. Then each step:
 1. collect (`jgrpo.collect`): the next prompts of the task (order fixed by the seed; the
-   position is checkpointed), G completions each (`jgrpo.sampling.rollout`), their rewards
+   position is checkpointed), G completions each (`jgrpo.rollout.rollout`), their rewards
    (`jgrpo.rewards.score_completions`) with the optional overlong penalty and KL-in-reward
    term; with dynamic sampling, groups whose rewards are all equal are replaced by new prompts;
 2. batch (`jgrpo.batches`): advantages within each group (`jgrpo.group_advantages`), then the
@@ -34,12 +34,11 @@ import numpy as np
 from jgrpo import cli, distributed, tasks
 from jgrpo.batches import advantages_of, completion_width, to_batch, update_shape
 from jgrpo.checkpoint import Checkpointer
-from jgrpo.collect import (  # noqa: F401 (encode_examples, overlong_penalty, zero_signal: here too)
+from jgrpo.collect import (  # noqa: F401 (encode_examples, overlong_penalty: here too)
     collect_groups,
     encode_examples,
     overlong_penalty,
     sample_and_score,
-    zero_signal,
 )
 from jgrpo.config import Config, TaskSection, to_dict
 from jgrpo.evaluation import evaluate_greedy

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,19 +33,16 @@ from jgrpo.losses import (
     sampler_weights,
 )
 from jgrpo.models.config import ModelConfig
+from jgrpo.models.embedding import unembedding
 from jgrpo.models.group_forward import (
     PackedCompletions,
     group_completion_hidden,
     packed_head_inputs,
 )
 from jgrpo.models.lora import with_adapters
-from jgrpo.models.transformer import (
-    RouterStats,
-    forward,
-    load_balancing_loss,
-    unembedding,
-    with_matmul_weights,
-)
+from jgrpo.models.mlp import RouterStats, load_balancing_loss
+from jgrpo.models.precision import with_matmul_weights
+from jgrpo.models.transformer import forward
 from jgrpo.sharding import traced_shard_count
 
 # MiB of f32 log-prob logits per device the update keeps for its backward pass (`keeps_logits`).
@@ -100,23 +97,10 @@ class UpdateConfig:
     router_aux_loss_coef: float = 0.0  # mixture of experts: the load-balancing loss's weight
 
     def __post_init__(self):
-        for name in ("num_iterations", "num_minibatches", "grad_accumulation"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}.")
+        check_update_settings(self)
         if not isinstance(self.shared_prompt_rows, int) or self.shared_prompt_rows < 1:
             raise ValueError(
                 f"shared_prompt_rows must be an int >= 1, got {self.shared_prompt_rows!r}."
-            )
-        if self.off_policy_mask_threshold is not None and not self.off_policy_mask_threshold >= 0:
-            raise ValueError(
-                "off_policy_mask_threshold must be >= 0 (None = off), got "
-                f"{self.off_policy_mask_threshold}."
-            )
-        if not 0 < self.top_entropy_quantile <= 1:
-            raise ValueError(
-                f"top_entropy_quantile must be in (0, 1] (1 = every token), got "
-                f"{self.top_entropy_quantile}."
             )
         if self.temperature <= 0:
             raise ValueError(
@@ -139,10 +123,6 @@ class UpdateConfig:
                 "sampler_correction must be 'none', 'token' or 'sequence', got "
                 f"{self.sampler_correction!r}."
             )
-        if not self.sampler_correction_cap >= 1:
-            raise ValueError(
-                f"sampler_correction_cap must be >= 1, got {self.sampler_correction_cap}."
-            )
         if self.sampler_correction_mode not in SAMPLER_CORRECTION_MODES:
             raise ValueError(
                 "sampler_correction_mode must be 'truncate' or 'mask', got "
@@ -150,15 +130,64 @@ class UpdateConfig:
             )
         if self.lora_scale is not None and not self.lora_scale > 0:
             raise ValueError(f"lora_scale must be > 0 or None, got {self.lora_scale}.")
-        if not 0 <= self.sampler_correction_floor <= 1:
-            raise ValueError(
-                f"sampler_correction_floor must be in [0, 1], got {self.sampler_correction_floor}."
-            )
 
     @property
     def needs_old_logprobs(self) -> bool:
         """With one pass over one minibatch the policy has not moved: old = current."""
         return self.num_iterations > 1 or self.num_minibatches > 1
+
+
+def check_update_settings(
+    settings: Any, *, prefix: str = "", none: str = "None", error: type[ValueError] = ValueError
+) -> None:
+    """Raises `error` for the first of these update settings that cannot run, naming the field
+    and the fix: the schedule's counts, dual_clip, the token and row masks and the sampler
+    correction's bounds.
+
+    `settings` is an `UpdateConfig`, or the config's algorithm section, whose fields of the
+    same names are read (with `prefix="algorithm."`, `none="null"` and `error=ConfigError`),
+    so each rule and its numbers are written once. The fields are named `prefix` + their
+    name, and None as `none`.
+    """
+    p = prefix
+    for name in ("num_iterations", "num_minibatches", "grad_accumulation"):
+        value = getattr(settings, name)
+        if not isinstance(value, int) or value < 1:
+            raise error(f"{p}{name} must be an int >= 1, got {value!r}.")
+    dual_clip, policy_loss = settings.dual_clip, settings.policy_loss
+    if dual_clip is not None and policy_loss != "clip":
+        raise error(
+            f"{p}dual_clip bounds the clipped policy term, so it needs {p}policy_loss=clip, "
+            f"not {policy_loss}; set {p}dual_clip={none}."
+        )
+    high = settings.clip_eps if settings.clip_eps_high is None else settings.clip_eps_high
+    if dual_clip is not None and not dual_clip > 1 + high:
+        raise error(
+            f"{p}dual_clip must be > 1 + clip_eps_high = {1 + high} (the ratio above which "
+            f"negative-advantage tokens stop), got {dual_clip}; set it higher (verl uses 3.0) "
+            f"or to {none}."
+        )
+    threshold = settings.off_policy_mask_threshold
+    if threshold is not None and not threshold >= 0:
+        raise error(
+            f"{p}off_policy_mask_threshold must be >= 0 (a mean log-ratio per token; "
+            f"{none} = off), got {threshold}."
+        )
+    if not 0 < settings.top_entropy_quantile <= 1:
+        raise error(
+            f"{p}top_entropy_quantile must be in (0, 1] (the share of tokens the policy term "
+            f"trains on; 1 = all), got {settings.top_entropy_quantile}."
+        )
+    if not settings.sampler_correction_cap >= 1:
+        raise error(
+            f"{p}sampler_correction_cap must be >= 1 (the largest weight), got "
+            f"{settings.sampler_correction_cap}."
+        )
+    if not 0 <= settings.sampler_correction_floor <= 1:
+        raise error(
+            f"{p}sampler_correction_floor must be in [0, 1] (0 = no lower bound; above 1 it "
+            f"would cut the sampler's own tokens), got {settings.sampler_correction_floor}."
+        )
 
 
 class TrainState(NamedTuple):
@@ -256,7 +285,7 @@ def completion_logprobs(
     inside the program (`with_matmul_weights`; the parameters, and so their gradients and
     the optimizer state, stay f32), and every matrix product of the layers and the
     unembedding, forward and backward, takes bf16 operands and sums in f32
-    (`jgrpo.models.transformer.mixed_matmul`). Activations, norms, attention and the softmax
+    (`jgrpo.models.precision.mixed_matmul`). Activations, norms, attention and the softmax
     stay f32.
     """
     if matmul_dtype != "float32":
@@ -372,7 +401,7 @@ def train_step(
       state: donated: its buffers are reused for the result, so do not read it afterwards.
       batch: B rows; B must split into num_minibatches x grad_accumulation equal parts.
       ref_params: the frozen reference parameters; required when update_config.beta > 0.
-        Its weight matrices and embeddings may be bf16 (`jgrpo.models.transformer.
+        Its weight matrices and embeddings may be bf16 (`jgrpo.models.precision.
         with_rounded_weights(params, jnp.bfloat16)`, what model.reference_dtype=bfloat16
         keeps): half the memory, and the reference pass multiplies bf16 operands with f32
         sums.

@@ -28,23 +28,14 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jgrpo.models.attention import _MASKED, apply_rope, rope_tables
 from jgrpo.models.config import ModelConfig
-from jgrpo.models.transformer import (
-    _MASKED,
-    LoraKernel,
-    activate,
-    apply_rope,
-    constrain,
-    forward,
-    input_embeddings,
-    mixture_of_experts,
-    norm_scale,
-    rms_norm,
-    rope_tables,
-    row_major,
-    soft_cap,
-    write_slice,
-)
+from jgrpo.models.embedding import input_embeddings
+from jgrpo.models.mlp import activate, mixture_of_experts
+from jgrpo.models.precision import row_major, write_slice
+from jgrpo.models.primitives import constrain, norm_scale, rms_norm, soft_cap
+from jgrpo.models.projection import LoraKernel
+from jgrpo.models.transformer import forward
 
 _CACHE_AXES = ("batch", "kv_heads", "length", "head_dim")
 _KEYS_T_AXES = ("batch", "kv_heads", "head_dim", "length")  # completion keys, [B, K, D, N]
@@ -256,7 +247,7 @@ def decode_step(
     it only, and its completion buffers are rings of at most W slots (`completion_slots`):
     token `slot` is written at slot mod W over the token W before it.
 
-    A slot rollout (`jgrpo.sampling`) passes `slot` per row, int32[B] (each row is at its
+    A slot rollout (`jgrpo.rollout`) passes `slot` per row, int32[B] (each row is at its
     own position), and `prompt_rows`, the prompt each row continues: a row then reads its
     prompt's keys and values from the shared prompt table by that index (a gather per layer),
     instead of the prompt-major groups of G rows.

@@ -36,19 +36,15 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jgrpo.models.config import ModelConfig
-from jgrpo.models.transformer import (
-    choose,
-    finish_layer,
+from jgrpo.models.attention import (
     grouped_query_attention,
-    input_embeddings,
-    layer_kinds,
     layer_variants,
-    norm_scale,
-    over_layers,
-    rms_norm,
     token_major_attention_inputs,
 )
+from jgrpo.models.config import ModelConfig
+from jgrpo.models.embedding import input_embeddings
+from jgrpo.models.primitives import norm_scale, rms_norm
+from jgrpo.models.transformer import choose, finish_layer, layer_kinds, over_layers
 
 
 class PackedCompletions(NamedTuple):

@@ -30,7 +30,8 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from jgrpo.models.config import ModelConfig
-from jgrpo.models.transformer import LoraKernel, layer_param_specs
+from jgrpo.models.projection import LoraKernel
+from jgrpo.models.transformer import layer_param_specs
 
 # PEFT's module name -> our kernel, and the module's place in an HF decoder layer.
 TARGETS: dict[str, str] = {

@@ -11,15 +11,20 @@ Layers of two kinds (Gemma's sliding-window layers between full-attention ones) 
 scan carries each layer's kind as a flag, which selects its attention mask and RoPE table
 (`choose`), so one layer function still serves every layer.
 
+This module holds the model and its parameters, the KV cache, `forward`, the layer loop and
+the block (`decoder_layer`); the parts of a layer live beside it in `jgrpo.models`:
+`attention` (RoPE, masks, grouped-query attention), `mlp` (the gated MLP, the mixture of
+experts), `projection` (activations times kernels, LoRA kernels), `precision` (bf16 weights
+and products), `embedding` (embeddings, logits) and `primitives` (sharding constraints,
+RMSNorm, soft-capping).
+
 Dimension letters in shape comments: B batch, T new tokens, S cache slots (keys), E embed,
 H heads, K kv heads, G heads per kv head, D head_dim, M mlp, V vocab, L layers.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
 import operator
 from collections.abc import Callable
 from typing import NamedTuple
@@ -29,11 +34,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.experimental.layout import Layout, with_layout_constraint
 
-from jgrpo.models.config import LinearRopeScaling, ModelConfig
-
-_MASKED = float(np.finfo(np.float32).min)  # finite: a fully masked row gives no NaN
+from jgrpo.models.attention import attention_inputs, grouped_query_attention, layer_variants
+from jgrpo.models.config import ModelConfig
+from jgrpo.models.embedding import input_embeddings, logits_from_hidden, unembedding
+from jgrpo.models.mlp import gated_projection, mixture_of_experts
+from jgrpo.models.precision import matmul_kernels, with_matmul_unembedding, write_slice
+from jgrpo.models.primitives import constrain, norm_scale, rms_norm
+from jgrpo.models.projection import normed_projections, project
 
 
 class KVCache(NamedTuple):
@@ -62,36 +70,6 @@ def init_cache(config: ModelConfig, batch: int, max_length: int, dtype=jnp.float
     return KVCache(
         k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), index=jnp.zeros((), jnp.int32)
     )
-
-
-def input_embeddings(params: dict, ids: jax.Array, config: ModelConfig) -> jax.Array:
-    """The embedding rows of `ids` [...] as [..., E] in the activations' dtype, the norms': a
-    table rounded to bf16 beside f32 norms (`with_rounded_weights`) is read back as f32.
-    Gemma multiplies them by sqrt(E), a factor rounded to that dtype as transformers does."""
-    rows = embed_tokens(params["embed"], ids).astype(params["final_norm"].dtype)
-    if config.scale_embeddings:
-        rows = rows * jnp.asarray(config.hidden_size**0.5, rows.dtype)
-    return rows
-
-
-def constrain(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
-    """Sharding constraint by logical axis names; a no-op outside a mesh with rules."""
-    rules = nn.get_logical_axis_rules()
-    if not rules or jax.sharding.get_abstract_mesh().empty:
-        return x
-    return jax.lax.with_sharding_constraint(x, nn.logical_to_mesh_axes(axes, rules))
-
-
-def embed_tokens(table: jax.Array, ids: jax.Array) -> jax.Array:  # [V, E], [B, T] -> [B, T, E]
-    """Embedding rows of `ids`, split by batch rows on a mesh.
-
-    The table's `embed` shards are gathered first, as FSDP gathers every weight where it is
-    used: a lookup straight from an embed-split table gives rows split along `embed`, which
-    XLA cannot re-split by batch without replicating them.
-    """
-    table = constrain(table, ("vocab", None))
-    rows = jnp.take(table, ids, axis=0)
-    return constrain(rows, ("batch",) + (None,) * (ids.ndim - 1) + ("embed",))
 
 
 # --- parameters ----------------------------------------------------------------------------
@@ -365,33 +343,6 @@ def forward(
     return out if cache is None else (out, cache)
 
 
-class LayerVariant(NamedTuple):
-    """What a layer's kind decides: its attention mask and its RoPE tables."""
-
-    mask: jax.Array  # bool[..., T, S]
-    cos: jax.Array  # f32[..., T, D/2]
-    sin: jax.Array
-
-
-def layer_variants(
-    config: ModelConfig, mask: jax.Array, distance: jax.Array, positions: jax.Array
-) -> tuple[LayerVariant, LayerVariant]:
-    """(full, sliding): the inputs of a full-attention layer and of a sliding-window one.
-
-    `mask` bool[..., T, S] is the causal mask; `distance` [..., T, S] how many positions
-    each key lies before its query (the sliding mask keeps distance < W); `positions`
-    [..., T] the queries' RoPE positions. A sliding layer of Gemma 3 rotates by its own RoPE
-    base (`rope_local_theta`). Without a window both are the full layer's.
-    """
-    full = LayerVariant(mask, *rope_tables(config, positions))
-    if config.sliding_window is None:
-        return full, full
-    window_mask = mask & (distance < config.sliding_window)
-    local = config.rope_local_theta is not None
-    tables = rope_tables(config, positions, sliding=True) if local else (full.cos, full.sin)
-    return full, LayerVariant(window_mask, *tables)
-
-
 def layer_kinds(config: ModelConfig) -> np.ndarray | None:
     """bool[L], each layer's kind (True: sliding window), when layers differ; None when every
     layer is of one kind, which `choose` then reads from the config as a constant."""
@@ -418,6 +369,7 @@ def choose(is_sliding, sliding, full):
 # pass keeps from each layer, which cost more kernels and copies than the extra copies of the
 # layer; at 8 the compile times met. Deeper models scan, so compile time does not grow.
 MAX_UNROLLED_LAYERS = 4
+
 
 # The logical axes of the weights (`param_axes`); a mesh that splits any of them gathers each
 # layer's weights where the layer runs.
@@ -452,325 +404,7 @@ def over_layers(layer: Callable, carry, stacked_params: dict, num_layers: int):
     return carry, jax.tree.map(lambda *per_layer: jnp.stack(per_layer), *outputs)
 
 
-def unembedding(params: dict) -> jax.Array:  # [E, V]
-    """The output projection: lm_head, or the transposed embedding table when tied (its
-    lower-precision copy `tied_unembedding` when `with_matmul_weights` made one)."""
-    if "lm_head" in params:
-        return params["lm_head"]
-    return params.get("tied_unembedding", params["embed"]).T
-
-
-def with_matmul_weights(params: dict, dtype) -> dict:
-    """`params` with its weight matrices in `dtype`: the layers' kernels, and the output
-    projection (`lm_head`, or for tied embeddings a copy of the [V, E] table as
-    `tied_unembedding`, since the lookup keeps the original's dtype); embeddings, norms and
-    biases keep theirs.
-
-    `project`, `logits_from_hidden` and `jgrpo.chunked_token_logprobs` multiply f32
-    activations by such weights in `dtype`, accumulating in f32: at bf16 that halves the
-    bytes a decode step reads, and under `jax.grad` (the cast differentiates back to the
-    f32 parameters) it is mixed-precision training (`jgrpo.UpdateConfig.matmul_dtype`).
-    """
-    out = with_matmul_unembedding(params, dtype)
-    out["layers"] = matmul_kernels(params["layers"], dtype)
-    return out
-
-
-def with_rounded_weights(params: dict, dtype) -> dict:
-    """`params` with every weight matrix and the embedding table in `dtype`, norms and biases
-    as they were: a frozen model in about half the memory at bf16 (the KL's reference,
-    `model.reference_dtype`). The forward pass reads the table's rows back in the norms'
-    dtype and multiplies its activations by the rounded matrices with f32 sums, as with
-    `with_matmul_weights`, whose values it equals but for the rounded embeddings."""
-    out = dict(params, embed=params["embed"].astype(dtype))
-    if "lm_head" in params:
-        out["lm_head"] = params["lm_head"].astype(dtype)
-    out["layers"] = matmul_kernels(params["layers"], dtype)
-    return out
-
-
-def with_matmul_unembedding(params: dict, dtype) -> dict:
-    """`params` with only the output projection in `dtype` (`with_matmul_weights`)."""
-    out = dict(params)
-    if "lm_head" in params:
-        out["lm_head"] = params["lm_head"].astype(dtype)
-    else:
-        out["tied_unembedding"] = params["embed"].astype(dtype)
-    return out
-
-
-def matmul_kernels(layer_params: dict, dtype) -> dict:
-    """Layer parameters (stacked or one layer's) with the weight matrices in `dtype`."""
-    return {
-        name: value.astype(dtype) if name.endswith("_kernel") else value
-        for name, value in layer_params.items()
-    }
-
-
-def logits_from_hidden(params: dict, hidden: jax.Array, softcap: float | None = None) -> jax.Array:
-    """f32 logits [..., V] from final hidden states [..., E], multiplied in the table's dtype,
-    soft-capped to (-softcap, softcap) when given (`config.final_logit_softcapping`).
-
-    A tied table is read as its [V, E] rows, never transposed: XLA:CPU ran a transposed bf16
-    copy made inside the program 2-3x slower.
-    """
-    if "lm_head" in params:
-        table, spec = params["lm_head"], "...e,ev->...v"  # [E, V]
-    else:
-        table = params.get("tied_unembedding", params["embed"])  # [V, E]
-        spec = "...e,ve->...v"
-    logits = jnp.einsum(spec, hidden.astype(table.dtype), table, preferred_element_type=jnp.float32)
-    logits = soft_cap(logits, softcap)
-    if logits.ndim == 3:
-        logits = constrain(logits, ("batch", "length", "vocab"))
-    return logits
-
-
-def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
-    """cap * tanh(x / cap) (Gemma 2's soft-capping of attention scores and logits); x if None."""
-    return x if cap is None else cap * jnp.tanh(x / cap)
-
-
-def norm_scale(config: ModelConfig, weight: jax.Array) -> jax.Array:
-    """The factor an RMSNorm weight stands for: the weight, or Gemma's 1 + weight in f32 (as
-    transformers computes it, so a bf16 weight keeps its precision)."""
-    if not config.norm_weight_offset:
-        return weight
-    return weight.astype(jnp.float32) + config.norm_weight_offset
-
-
 # --- the pure layer ----------------------------------------------------------------------
-
-
-def rms_norm(x: jax.Array, scale: jax.Array, eps: float, axis: int = -1) -> jax.Array:
-    """x / rms(x) * scale over `axis` (scale broadcast against x), in f32, in x's dtype.
-
-    Recomputed from x in the backward pass: plain autodiff keeps the normalised x and
-    more of the same size, beside x and the output that the next product keeps anyway.
-    """
-
-    @jax.checkpoint
-    def normalise(x, scale):
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=axis, keepdims=True) + eps)
-        return (normed * scale.astype(jnp.float32)).astype(x.dtype)
-
-    return normalise(x, scale)
-
-
-def inverse_frequencies(config: ModelConfig, sliding: bool = False) -> np.ndarray:  # f32[D/2]
-    """RoPE inverse frequencies theta^(-2i/D), with Llama 3 or linear scaling when configured;
-    for a sliding layer with its own base (Gemma 3's `rope_local_theta`), that base unscaled."""
-    exponents = np.arange(0, config.head_dim, 2, dtype=np.float32) / config.head_dim
-    local = sliding and config.rope_local_theta is not None
-    theta = config.rope_local_theta if local else config.rope_theta
-    inv_freq = (1.0 / (theta**exponents)).astype(np.float32)
-    scaling = None if local else config.rope_scaling
-    if scaling is None:
-        return inv_freq
-    if isinstance(scaling, LinearRopeScaling):
-        return (inv_freq / scaling.factor).astype(np.float32)
-    # Long wavelengths are slowed by `factor`, short ones kept, the band between blended.
-    old_context = scaling.original_max_position_embeddings
-    low_freq_wavelen = old_context / scaling.low_freq_factor
-    high_freq_wavelen = old_context / scaling.high_freq_factor
-    wavelen = 2 * np.pi / inv_freq
-    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
-    smooth = (old_context / wavelen - scaling.low_freq_factor) / (
-        scaling.high_freq_factor - scaling.low_freq_factor
-    )
-    blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
-    medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-    return np.where(medium, blended, scaled).astype(np.float32)
-
-
-def rope_tables(
-    config: ModelConfig, positions: jax.Array, sliding: bool = False
-) -> tuple[jax.Array, jax.Array]:
-    """cos and sin f32[..., D/2] of positions [...] * inverse frequencies (a sliding layer's
-    when `sliding`)."""
-    inv_freq = inverse_frequencies(config, sliding)
-    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
-    return jnp.cos(angles), jnp.sin(angles)
-
-
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotates [B, T, N, D] by position; halves layout (HF's rotate_half), computed in f32."""
-    x32 = x.astype(jnp.float32)
-    first, second = jnp.split(x32, 2, axis=-1)
-    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
-    rotated = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
-    return rotated.astype(x.dtype)
-
-
-@functools.partial(
-    jax.tree_util.register_dataclass, data_fields=("base", "a", "b"), meta_fields=("scale",)
-)
-@dataclasses.dataclass(frozen=True)
-class LoraKernel:
-    """A weight matrix with a low-rank adapter: base + scale * a @ b, never multiplied out.
-
-    base [*I, *O] is the frozen kernel; a [*I, r] and b [r, *O] the adapter
-    (`jgrpo.models.lora`). `project` multiplies x by the base and, apart, by a then b, so the
-    backward pass computes no gradient for the base (the product base + a b would need the
-    full [*I, *O] gradient first). It stands wherever a layer's kernel does (stacked [L, ...]
-    leaves slice per layer in the layer loop); `astype` casts all three, for mixed precision.
-    """
-
-    base: jax.Array
-    a: jax.Array
-    b: jax.Array
-    scale: float
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.base.shape
-
-    @property
-    def dtype(self):
-        return self.base.dtype
-
-    def astype(self, dtype) -> LoraKernel:
-        return LoraKernel(
-            self.base.astype(dtype), self.a.astype(dtype), self.b.astype(dtype), self.scale
-        )
-
-    def __getitem__(self, layer) -> LoraKernel:
-        """One layer's kernel of a stacked [L, ...] one."""
-        return LoraKernel(self.base[layer], self.a[layer], self.b[layer], self.scale)
-
-    def merged(self) -> jax.Array:  # f32[*I, *O]
-        """W + scale * A B of one layer's kernel, summed in f32."""
-        delta = jnp.tensordot(self.a, self.b, axes=1, preferred_element_type=jnp.float32)
-        return self.base.astype(jnp.float32) + self.scale * delta
-
-
-def project(x: jax.Array, kernel: jax.Array, contract: int = 1) -> jax.Array:
-    """x's last `contract` axes times the kernel's first ones: [..., *I] x [*I, *O] -> [..., *O]."""
-    return project_each(x, (kernel,), contract)[0]
-
-
-def project_each(
-    x: jax.Array, kernels: tuple[jax.Array, ...], contract: int = 1
-) -> tuple[jax.Array, ...]:
-    """`project(x, kernel, contract)` for each kernel, from one [N, I] reshape of x.
-
-    x is multiplied as a 2D matrix rather than by an einsum over [B, T, ...]: the result is
-    the same, but XLA:CPU then lays out the backward pass's weight-gradient products without
-    transposed copies of the [B*T, M] activations (in a profile of the SmolLM2-135M benchmark
-    update, the einsum form spent ~10 s in such copies; this one ~1.5). The kernels are
-    contracted as they are, [*I, *O], not reshaped: the backward pass then keeps the shared
-    2D x once and no reshaped copy of a kernel (each would be another [L, ...] buffer in a
-    scanned layer stack). A kernel in another dtype than x (bf16 weights for f32
-    activations, `with_matmul_weights`) multiplies in the kernel's dtype and accumulates in
-    f32 (`mixed_matmul`). A `LoraKernel` (LoRA) adds its adapter's product, x A then B.
-    """
-    inner = kernels[0].shape[:contract]
-    lead = x.shape[: x.ndim - contract]
-    rows = x.reshape(math.prod(lead), *inner)  # [N, *I]: one value for every kernel
-    matrix = rows.reshape(len(rows), -1)  # [N, I]: the same value, for `mixed_matmul`
-    dims = ((tuple(range(1, contract + 1)), tuple(range(contract))), ((), ()))
-    products = []
-    for kernel in kernels:
-        if isinstance(kernel, LoraKernel):  # x W + s (x A) B: [N, r] between the products
-            base, low_rank = project_each(x, (kernel.base, kernel.a), contract)  # [..., r]
-            adapted = project(low_rank * jnp.asarray(kernel.scale, low_rank.dtype), kernel.b)
-            products.append(base + adapted)
-            continue
-        if kernel.dtype == x.dtype:
-            flat = jax.lax.dot_general(rows, kernel, dims)  # [N, *O]
-        else:  # 2D operands: [N, I] x [I, O]
-            flat = mixed_matmul(matrix, kernel.reshape(matrix.shape[1], -1)).astype(x.dtype)
-        products.append(flat.reshape(*lead, *kernel.shape[contract:]))
-    return tuple(products)
-
-
-@jax.custom_vjp
-def mixed_matmul(a: jax.Array, b: jax.Array) -> jax.Array:  # [N, I] x [I, O] -> f32[N, O]
-    """a @ b with both operands rounded to the lower-precision dtype of the two (bf16), every
-    product summed in f32; the backward pass likewise (the cotangent rounded to it too).
-
-    Used when a kernel's dtype differs from its activations' (`with_matmul_weights`). The
-    custom VJP keeps the backward products in that dtype: differentiating the forward's dot
-    would multiply f32 cotangents by bf16 operands, which runs in f32. On CPU it also
-    materialises the transposed operands in row-major order (`row_major`): XLA:CPU's fast
-    bf16 products (YNNPACK; AMX where the CPU has it) take only untransposed operands and
-    otherwise fall back to f32, about 3-6x slower on an AMX host.
-    """
-    dtype = _lower_precision(a, b)
-    return jnp.dot(a.astype(dtype), b.astype(dtype), preferred_element_type=jnp.float32)
-
-
-def _mixed_matmul_fwd(a, b):
-    return mixed_matmul(a, b), (a, b)
-
-
-def _mixed_matmul_bwd(residuals, grad):  # grad f32[N, O]
-    a, b = residuals
-    dtype = _lower_precision(a, b)
-    a_low, b_low, grad_low = a.astype(dtype), b.astype(dtype), grad.astype(dtype)
-    grad_a = jnp.dot(grad_low, row_major(b_low.T), preferred_element_type=jnp.float32)  # [N, I]
-    # a^T g, never (g^T a)^T: XLA folds a transposed result back into the product's operands.
-    grad_b = jnp.dot(row_major(a_low.T), grad_low, preferred_element_type=jnp.float32)  # [I, O]
-    return grad_a.astype(a.dtype), grad_b.astype(b.dtype)
-
-
-mixed_matmul.defvjp(_mixed_matmul_fwd, _mixed_matmul_bwd)
-
-
-def _lower_precision(*arrays: jax.Array):
-    """The dtype with the fewest bits among the arrays'."""
-    return min((x.dtype for x in arrays), key=lambda dtype: jnp.finfo(dtype).bits)
-
-
-def write_slice(buffer: jax.Array, update: jax.Array, start: tuple) -> jax.Array:
-    """`jax.lax.dynamic_update_slice(buffer, update cast to buffer's dtype, start)`, in place.
-
-    A buffer narrower than 32 bits (a bf16 KV cache) is written through its bits: XLA:CPU
-    otherwise widens the whole buffer to f32 around the update and narrows it back, two
-    full copies of the cache for every token written, which made long bf16 rollouts
-    quadratic in their length.
-    """
-    update = update.astype(buffer.dtype)
-    if buffer.dtype.itemsize >= 4:
-        return jax.lax.dynamic_update_slice(buffer, update, start)
-    bits = jnp.dtype(f"uint{8 * buffer.dtype.itemsize}")
-    written = jax.lax.dynamic_update_slice(
-        jax.lax.bitcast_convert_type(buffer, bits),
-        jax.lax.bitcast_convert_type(update, bits),
-        start,
-    )
-    return jax.lax.bitcast_convert_type(written, buffer.dtype)
-
-
-def row_major(x: jax.Array) -> jax.Array:
-    """x stored in row-major order (on CPU), so that XLA multiplies a transpose written in
-    memory rather than folding it into the product's dimensions. Elsewhere x unchanged."""
-    if jax.default_backend() != "cpu":
-        return x
-    return with_layout_constraint(x, Layout(major_to_minor=tuple(range(x.ndim))))
-
-
-def attention_inputs(config, params, x, cos, sin):
-    """Queries [B, T, H, D] and keys, values [B, K, T, D] of one layer for x [B, T, E]:
-    pre-norm, projections, optional biases and qk-norm, RoPE."""
-    q, k, v = token_major_attention_inputs(config, params, x, cos, sin)
-    return q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-
-
-def token_major_attention_inputs(config, params, x, cos, sin):
-    """`attention_inputs` with keys and values left token-major, [B, T, K, D], for callers
-    that split the tokens before attention (`jgrpo.models.group_forward`)."""
-    eps = config.rms_norm_eps
-    kernels = (params["q_kernel"], params["k_kernel"], params["v_kernel"])
-    q, k, v = normed_projections(x, norm_scale(config, params["attn_norm"]), kernels, eps)
-    # q [B, T, H, D]; k, v [B, T, K, D]
-    if config.qkv_bias:
-        q, k, v = q + params["q_bias"], k + params["k_bias"], v + params["v_bias"]
-    if config.qk_norm:
-        q = rms_norm(q, norm_scale(config, params["q_norm"]), eps)
-        k = rms_norm(k, norm_scale(config, params["k_norm"]), eps)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
 def finish_layer(config, params, x, attention, token_weights=None):
@@ -794,244 +428,6 @@ def finish_layer(config, params, x, attention, token_weights=None):
     if config.post_norms:
         out = rms_norm(out, norm_scale(config, params["post_mlp_norm"]), eps)
     return constrain(x + out, ("batch", "length", "embed")), stats
-
-
-@functools.partial(jax.checkpoint, prevent_cse=False, static_argnums=(3,))
-def normed_projections(
-    x: jax.Array, scale: jax.Array, kernels: tuple[jax.Array, ...], eps: float
-) -> tuple[jax.Array, ...]:
-    """`project_each(rms_norm(x, scale, eps), kernels)`, the normalised x recomputed from x in
-    the backward pass.
-
-    The weight gradients need the products' input; plain autodiff keeps the normalised x
-    for them, a second [B, T, E] per norm beside x, which the norm's own backward keeps
-    anyway (docs/benchmarks.md: with `gated_projection`, the update's temporary memory at
-    the compare workload 3.20 -> 2.49 GB). Only the norm is recomputed: the backward does
-    not read the products, so XLA drops their recomputation (the update has as many dots
-    as without the checkpoint).
-    """
-    return project_each(rms_norm(x, scale, eps), kernels)
-
-
-@functools.partial(jax.checkpoint, prevent_cse=False, static_argnums=(3,))
-def gated_projection(
-    gate: jax.Array, up: jax.Array, kernel: jax.Array, activation: str
-) -> jax.Array:
-    """`project(act(gate) * up, kernel)` (SwiGLU with silu, GeGLU with gelu_pytorch_tanh),
-    act(gate) * up recomputed from gate and up in the backward pass: [B, T, M] x [M, E] ->
-    [B, T, E].
-
-    Plain autodiff keeps the sigmoid, silu(gate), the product and more [B, T, M]
-    intermediates per layer next to gate and up; recomputing them is a few elementwise
-    operations (docs/benchmarks.md: with `rms_norm`, `softmax` and `normed_projections`
-    alike, the update's temporary memory at the compare workload 5.95 -> 2.49 GB).
-    """
-    hidden = constrain(activate(gate, activation) * up, ("batch", "length", "mlp"))
-    return project(hidden, kernel)
-
-
-class RouterStats(NamedTuple):
-    """What a mixture-of-experts layer's router did with its tokens (summed over layers, too):
-    enough for the load-balancing loss (`load_balancing_loss`) and the routing metrics."""
-
-    counts: jax.Array  # f32[X]: the tokens' assignments to each expert (k per token), weighted
-    probabilities: jax.Array  # f32[X]: the router's probabilities summed over the tokens
-    tokens: jax.Array  # f32 scalar: the tokens' weight, summed
-
-
-def load_balancing_loss(stats: RouterStats) -> jax.Array:
-    """transformers' auxiliary loss of Switch-style routing over every layer's tokens:
-    X * sum_x (assignments to x / tokens) * (mean router probability of x), its minimum k
-    when the router spreads tokens and probability evenly (X experts, k per token)."""
-    tokens = jnp.maximum(stats.tokens, 1.0)
-    return stats.counts.shape[-1] * jnp.sum(
-        (stats.counts / tokens) * (stats.probabilities / tokens)
-    )
-
-
-def mixture_of_experts(
-    config: ModelConfig, params: dict, h: jax.Array, token_weights: jax.Array | None = None
-) -> tuple[jax.Array, RouterStats]:
-    """The MLP of a mixture-of-experts layer (Qwen3-MoE) on normalised activations h [..., E],
-    and its `RouterStats` over the tokens weighted by `token_weights` [...] (default 1: a
-    padding token weighs 0).
-
-    The router, in f32, scores the experts by a softmax over `router` [E, X] and keeps the
-    `experts_per_token` best (their weights renormalised to sum to 1 with `norm_topk_prob`);
-    `routed_mlp` runs each token through its chosen experts.
-
-    On a mesh the layer runs per device (`jax.shard_map`): each device routes the tokens it
-    holds. Where the rules split the experts over a mesh axis (expert parallelism: `expert`
-    over `fsdp`, `jgrpo.sharding.LOGICAL_RULES`), the devices of that axis gather their tokens,
-    each runs them through its own X / n experts, and the partial outputs are summed and
-    scattered back to the tokens' devices (all-gather and reduce-scatter of activations, as
-    Megatron's all-gather dispatcher does): the experts' weights never move and no token is
-    dropped. An `mlp` split over `tensor` sums the down projection's partial outputs. Experts
-    that the axis does not divide are split as a dense MLP's weights are and gathered by the
-    layer, as FSDP gathers every weight.
-    """
-    lead, embed = h.shape[:-1], h.shape[-1]
-    tokens = h.reshape(-1, embed)  # [N, E]
-    if token_weights is None:
-        weight = jnp.ones((tokens.shape[0],), jnp.float32)
-    else:
-        weight = token_weights.reshape(-1).astype(jnp.float32)  # [N]
-    mesh, rules = jax.sharding.get_abstract_mesh(), nn.get_logical_axis_rules()
-    if mesh.empty or not rules or mesh.size == 1:
-        out, stats = _experts_of_tokens(config, params, tokens, weight)
-    else:
-        out, stats = _experts_over_mesh(config, params, tokens, weight, mesh, rules)
-    return out.reshape(*lead, embed), stats
-
-
-EXPERT_WEIGHTS = ("expert_gate_kernel", "expert_up_kernel", "expert_down_kernel")
-
-
-def _experts_of_tokens(
-    config: ModelConfig,
-    params: dict,
-    tokens: jax.Array,
-    weight: jax.Array,
-    first: jax.Array | int = 0,
-    gathered: tuple[str, ...] = (),
-    copied: tuple[str, ...] = (),
-) -> tuple[jax.Array, RouterStats]:
-    """The layer on the tokens [n, E] at hand with the experts `first` .. `first` + the
-    kernels' count (all of them off a mesh). Experts split over mesh axes: `gathered`, those
-    whose devices hold different tokens (each device's experts take every device's tokens),
-    and `copied`, those whose devices hold the same tokens. Marking the copies as varying
-    over `copied` makes their gradient the sum of every device's share: without it, JAX
-    0.10's shard_map returned a wrong gradient for the tokens (18 tokens on fsdp = 4: off by
-    up to 13.8 where the largest entry is 15.4; test_moe checks it)."""
-    experts = config.num_experts
-    logits = jnp.dot(tokens.astype(jnp.float32), params["router"].astype(jnp.float32))  # f32[n, X]
-    probabilities = jax.nn.softmax(logits, axis=-1)  # f32[n, X]
-    weights, chosen = jax.lax.top_k(probabilities, config.experts_per_token)  # [n, k]
-    if config.norm_topk_prob:
-        weights = weights / weights.sum(axis=-1, keepdims=True)
-    stats = RouterStats(
-        counts=jnp.zeros((experts,), jnp.float32).at[chosen].add(weight[:, None]),
-        probabilities=(probabilities * weight[:, None]).sum(axis=0),  # the loss's gradient
-        tokens=weight.sum(),
-    )
-    if gathered:
-        tokens, weights, chosen = (
-            jax.lax.all_gather(a, gathered, axis=0, tiled=True) for a in (tokens, weights, chosen)
-        )
-    if copied:  # each device takes its experts' share of the same tokens
-        tokens, weights = (jax.lax.pcast(a, copied, to="varying") for a in (tokens, weights))
-    out = routed_mlp(config, params, tokens, weights, chosen, first)
-    if gathered:
-        out = jax.lax.psum_scatter(out, gathered, scatter_dimension=0, tiled=True)
-    return out, stats
-
-
-def routed_mlp(
-    config: ModelConfig,
-    kernels: dict,
-    tokens: jax.Array,
-    weights: jax.Array,
-    chosen: jax.Array,
-    first: jax.Array | int = 0,
-) -> jax.Array:
-    """sum over k of weights [N, k] x the gated MLP of expert chosen [N, k] on tokens [N, E],
-    for the experts `first` .. `first` + C that `kernels` holds ([C, E, M] and [C, M, E]);
-    the other experts' terms are left out (another device adds them). [N, E]
-
-    The N * k assignments are sorted by expert (the others' last), so that each expert
-    multiplies one contiguous block of rows: `jax.lax.ragged_dot`. On GPU and TPU JAX emits
-    XLA's ragged-dot instruction (each block times its expert alone); on CPU it lowers it to
-    a masked product with every expert (C times the work: fine for tests, slow for real
-    models)."""
-    count = kernels["expert_gate_kernel"].shape[0]
-    k = chosen.shape[-1]
-    local = chosen.reshape(-1) - first  # [N * k]: the expert's index among these kernels
-    held = (local >= 0) & (local < count)
-    slot = jnp.where(held, local, count)  # others after the last group, in no group
-    order = jnp.argsort(slot, stable=True)  # [N * k]: assignments by expert
-    token_of = order // k
-    group_sizes = jnp.bincount(slot, length=count + 1)[:count].astype(jnp.int32)  # [C]
-    rows = jnp.take(tokens, token_of, axis=0)  # [N * k, E]
-    gate = expert_products(rows, kernels["expert_gate_kernel"], group_sizes)  # [N * k, M]
-    up = expert_products(rows, kernels["expert_up_kernel"], group_sizes)
-    hidden = activate(gate, config.hidden_act) * up
-    out = expert_products(hidden, kernels["expert_down_kernel"], group_sizes)  # [N * k, E]
-    scale = jnp.take(jnp.where(held, weights.reshape(-1), 0.0), order)  # [N * k]
-    return jnp.zeros_like(tokens).at[token_of].add(out * scale[:, None].astype(out.dtype))
-
-
-def _experts_over_mesh(
-    config: ModelConfig, params: dict, tokens: jax.Array, weight: jax.Array, mesh, rules
-) -> tuple[jax.Array, RouterStats]:
-    """`_experts_of_tokens` per device of `mesh` (the docstring of `mixture_of_experts`)."""
-    token_axes = _dividing_mesh_axes("batch", tokens.shape[0], mesh, rules)
-    expert_axes = _dividing_mesh_axes("expert", config.num_experts, mesh, rules)
-    mlp_axes = _dividing_mesh_axes("mlp", config.moe_intermediate_size, mesh, rules)
-    gathered = tuple(axis for axis in expert_axes if axis in token_axes)
-    copied = tuple(axis for axis in expert_axes if axis not in token_axes)
-    rows, experts, mlp = (_spec_entry(axes) for axes in (token_axes, expert_axes, mlp_axes))
-    P = jax.sharding.PartitionSpec
-
-    def per_device(tokens, weight, router, gate, up, down):
-        first = jax.lax.axis_index(expert_axes) * gate.shape[0] if expert_axes else 0
-        kernels = dict(zip(EXPERT_WEIGHTS, (gate, up, down), strict=True), router=router)
-        out, stats = _experts_of_tokens(
-            config, kernels, tokens, weight, first, gathered=gathered, copied=copied
-        )
-        if copied or mlp_axes:  # the experts' and the mlp shards' partial outputs
-            out = jax.lax.psum(out, copied + mlp_axes)
-        if token_axes:  # each device counted its own tokens
-            stats = jax.lax.psum(stats, token_axes)
-        return out, stats
-
-    return jax.shard_map(
-        per_device,
-        in_specs=(
-            P(rows, None),
-            P(rows),
-            P(),
-            P(experts, None, mlp),
-            P(experts, None, mlp),
-            P(experts, mlp, None),
-        ),
-        out_specs=(P(rows, None), RouterStats(P(), P(), P())),
-    )(tokens, weight, params["router"], *(params[name] for name in EXPERT_WEIGHTS))
-
-
-def _dividing_mesh_axes(logical: str, size: int, mesh, rules) -> tuple[str, ...]:
-    """The mesh axes the rules give a dimension named `logical` of `size`, less those of
-    size 1 and those that do not divide it (as `jgrpo.sharding.logical_spec` fits them)."""
-    assigned = nn.logical_to_mesh_axes((logical,), rules)[0]
-    kept, split = [], 1
-    for axis in (assigned,) if isinstance(assigned, str) else tuple(assigned or ()):
-        if mesh.shape.get(axis, 1) > 1 and size % (split * mesh.shape[axis]) == 0:
-            kept.append(axis)
-            split *= mesh.shape[axis]
-    return tuple(kept)
-
-
-def _spec_entry(axes: tuple[str, ...]):
-    """A PartitionSpec entry for a dimension split over `axes`."""
-    return None if not axes else axes[0] if len(axes) == 1 else axes
-
-
-def expert_products(rows: jax.Array, kernels: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """rows [R, I] (grouped by expert, `group_sizes` [X] of them each) times their expert's
-    kernel of `kernels` [X, I, O]: [R, O] in the rows' dtype, products in the kernels' dtype
-    (bf16 weights, `with_matmul_weights`) summed in f32."""
-    product = jax.lax.ragged_dot(
-        rows.astype(kernels.dtype), kernels, group_sizes, preferred_element_type=jnp.float32
-    )
-    return product.astype(rows.dtype)
-
-
-def activate(x: jax.Array, activation: str) -> jax.Array:
-    """The gated MLP's activation: silu, or GELU with the tanh approximation (Gemma)."""
-    if activation == "silu":
-        return jax.nn.silu(x)
-    if activation == "gelu_pytorch_tanh":
-        return jax.nn.gelu(x, approximate=True)
-    raise ValueError(f"activation {activation!r} is not supported.")
 
 
 def decoder_layer(config, params, x, cos, sin, mask, cache=None, offset=0, token_weights=None):
@@ -1062,47 +458,6 @@ def decoder_layer(config, params, x, cos, sin, mask, cache=None, offset=0, token
     )  # [B, T, H, D]
     x, stats = finish_layer(config, params, x, attention, token_weights)
     return x, new_cache, stats
-
-
-def grouped_query_attention(q, k, v, mask, scale=None, softcap=None):
-    """softmax(softcap(q k^T * scale)) v with H = K * G query heads sharing each kv head.
-
-    q [B, T, H, D]; k, v [B, K, S, D]; mask bool[B, T, S]. Scores and softmax in f32; the
-    scale defaults to D^-1/2 (`config.attention_scale`), `softcap` (Gemma 2) bounds the
-    scores (`soft_cap`). The G query heads of a kv head are laid out as G x T rows of one
-    matrix, so scores and output are plain batched matmuls over (B, K) with the key axis
-    contiguous.
-    """
-    batch, length, heads, dim = q.shape
-    kv_heads = k.shape[1]
-    per_kv = heads // kv_heads
-    q = q.reshape(batch, length, kv_heads, per_kv, dim).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, D]
-    scores = jnp.einsum("bkgtd,bksd->bkgts", q, k, preferred_element_type=jnp.float32)
-    scores = soft_cap(scores * (dim**-0.5 if scale is None else scale), softcap)
-    scores = jnp.where(mask[:, None, None], scores, _MASKED)  # [B, K, G, T, S]
-    probs = softmax(scores)
-    out = jnp.einsum("bkgts,bksd->bkgtd", probs.astype(v.dtype), v)  # [B, K, G, T, D]
-    return out.transpose(0, 3, 1, 2, 4).reshape(batch, length, heads, dim)
-
-
-@jax.custom_jvp
-def softmax(x: jax.Array) -> jax.Array:
-    """Softmax over the last axis whose derivative needs only its output.
-
-    `jax.nn.softmax` differentiates through its exp and division by default and so keeps
-    both the unnormalised exponentials and the probabilities for the backward pass: two
-    [B, K, G, T, S] tensors per attention layer where one suffices.
-    """
-    shifted = x - jax.lax.stop_gradient(x.max(axis=-1, keepdims=True))
-    weights = jnp.exp(shifted)
-    return weights / weights.sum(axis=-1, keepdims=True)
-
-
-@softmax.defjvp
-def _softmax_jvp(primals, tangents):
-    (x,), (x_dot,) = primals, tangents
-    y = softmax(x)
-    return y, y * (x_dot - (y * x_dot).sum(axis=-1, keepdims=True))
 
 
 def _default_mask(mask, shape, expected):

@@ -50,7 +50,8 @@ def main() -> int:
     import jax.numpy as jnp
 
     from jgrpo.models.config import preset
-    from jgrpo.models.transformer import layer_param_specs, mixture_of_experts
+    from jgrpo.models.mlp import mixture_of_experts
+    from jgrpo.models.transformer import layer_param_specs
     from jgrpo.sharding import (
         LOGICAL_RULES,
         abstract_arrays,

@@ -142,8 +142,8 @@ def count_equations(jaxpr, primitive: str) -> int:
 def decode_trips(new_tokens: int, loops: int) -> list[int]:
     """Decode steps in each of the rollout's `loops` while loops when every completion runs
     to `new_tokens` (no stop tokens): token 0 comes from the prefill, and phase k runs the
-    steps after the previous phase's end up to its own (`jgrpo.sampling.attention_phases`)."""
-    from jgrpo.sampling import attention_phases
+    steps after the previous phase's end up to its own (`jgrpo.rollout.attention_phases`)."""
+    from jgrpo.rollout import attention_phases
 
     last = new_tokens - 1
     ends = [new_tokens] if loops == 1 else attention_phases(new_tokens)

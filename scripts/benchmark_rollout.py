@@ -32,6 +32,15 @@ token of its row that attends to them) over the peak bandwidth (`--peak-gbps`, e
 accelerator's HBM figure; by default the bandwidth a jitted sum over 1 GiB reaches here), as a
 share of the measured time. `--bf16-weights` samples every jgrpo engine with bf16 weights.
      python scripts/benchmark.py rollout --ragged --new-tokens 1024 [--preset smollm2-135m]
+
+`--turns K`: ragged multi-turn episodes instead (jgrpo alone, random weights, no torch). Each
+episode lasts 1 .. K model turns (uniform, seed 0), its turns have the row's log-normal length
+as above (forced by `stop_after`, relative to each turn's start) and the environment's answers
+1 .. 64 words (log-normal, median 8). Printed side by side from one run: every episode at
+once, and `--slots` (default R/2, R/4, R/8) slots: decode steps, host rounds, slot efficiency
+(tokens fed / (slots x decode steps)), seconds, the model's tokens per second, the KV cache
+(prompts once + S records) and the speed against every episode at once.
+     python scripts/benchmark.py rollout --turns 4 --new-tokens 64 --prompt-length 16
 """
 
 from __future__ import annotations
@@ -50,7 +59,7 @@ from flax import nnx
 
 from jgrpo import models
 from jgrpo.huge_pages import reexec_with_huge_pages
-from jgrpo.sampling import SamplingConfig, rollout
+from jgrpo.rollout import SamplingConfig, rollout
 
 
 def run_seconds(run, repeats: int) -> list[float]:
@@ -208,7 +217,7 @@ def transformers_ragged(args, torch_model, prompt_ids, lengths: np.ndarray, eos:
 def ragged(args, config, model, torch_model, prompt_ids) -> None:
     """The --ragged benchmark (see the module docstring); `torch_model` None: jgrpo alone."""
     from jgrpo.models.group_decode import cache_bytes_per_slot
-    from jgrpo.sampling import kv_cache_bytes
+    from jgrpo.rollout import kv_cache_bytes
 
     # jgrpo stops on an id outside the vocabulary, which it never samples; transformers on
     # EOS, which its logits processor allows only at the chosen step: every row ends exactly
@@ -319,6 +328,148 @@ def ragged(args, config, model, torch_model, prompt_ids) -> None:
     )
 
 
+def word_tokenizer(vocab_size: int):
+    """A tokenizer of `vocab_size` + 1 words "w0" .. "w<V>" (w<V>, an id the model never
+    samples, is the stop token), split on spaces, with a minimal chat template: enough for
+    `run_episodes` to render prompts and answers for a random model of that vocabulary."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {f"w{i}": i for i in range(vocab_size + 1)}
+    tokenizer = Tokenizer(models.WordLevel(words, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        unk_token="w0",
+        pad_token="w0",
+        chat_template=(
+            "{% for m in messages %}w1 {{ m['content'] }} w2 {% endfor %}"
+            "{% if add_generation_prompt %}w3 {% endif %}"
+        ),
+    )
+
+
+class RaggedEpisode:
+    """An environment whose episodes differ widely: episode e (in the order they are made)
+    lasts turns[e] model turns, and its answers hold answers[e] words each."""
+
+    def __init__(self, turns: int, answer_words: int):
+        self.turns, self.answer_words = turns, answer_words
+
+    def reset(self, example):
+        return [{"role": "user", "content": example["prompt"]}]
+
+    def step(self, messages):
+        from jgrpo.tools import EnvironmentStep
+
+        done = sum(m["role"] == "assistant" for m in messages) >= self.turns
+        answer = " ".join(f"w{4 + i % 50}" for i in range(self.answer_words))
+        return EnvironmentStep([{"role": "tool", "content": answer}], done=done, tool_calls=1)
+
+
+def ragged_turns(args, config, model, prompt_ids) -> None:
+    """The --turns benchmark: multi-turn episodes of ragged turns in slots against every episode
+    at once (jgrpo alone: no peer decodes multi-turn episodes in one sequence)."""
+    from jgrpo.models.group_decode import completion_cache_bytes
+    from jgrpo.rollout import kv_cache_bytes
+    from jgrpo.rollout.turns import run_episodes
+
+    rows, max_turns = args.prompts * args.generations, args.turns
+    turn_tokens = args.new_tokens
+    rng = np.random.default_rng(0)
+    episode_turns = rng.integers(1, max_turns + 1, rows)  # [R]
+    answer_words = np.clip(rng.lognormal(np.log(8), 1.0, rows), 1, 64).astype(int)  # [R]
+    lengths = ragged_lengths(rows, turn_tokens, args.median_share, args.spread)  # per turn
+    # Each episode's room: its turns and its answers (with the template's two words around
+    # each), so that none runs out of tokens; one record width for all.
+    total = int(max_turns * turn_tokens + (max_turns - 1) * (answer_words.max() + 3))
+    tokenizer = word_tokenizer(config.vocab_size)
+    made = iter(range(rows))
+
+    def new_environment():
+        row = next(made)
+        return RaggedEpisode(int(episode_turns[row]), int(answer_words[row]))
+
+    examples = [{"prompt": " ".join(f"w{t}" for t in ids)} for ids in prompt_ids]
+    params = model.params()
+    weights_dtype = "bfloat16" if args.bf16_weights else "float32"
+    prompt_width = args.prompt_length + 8  # the template's words around the prompt
+    engines = {"every episode at once": 0}
+    for slots in args.slots or [rows // 2, rows // 4, rows // 8]:
+        if 0 < slots < rows:
+            engines[f"slots: {slots}"] = slots
+    results = {}
+    for name, slots in engines.items():
+        sampling = SamplingConfig(
+            max_new_tokens=turn_tokens,
+            temperature=1.0,
+            stop_token_ids=(config.vocab_size,),
+            max_concurrent=slots,
+            weights_dtype=weights_dtype,
+        )
+
+        def run(seed, sampling=sampling):
+            nonlocal made
+            made = iter(range(rows))
+            return run_episodes(
+                params,
+                examples,
+                jax.random.key(seed),
+                new_environment=new_environment,
+                tokenizer=tokenizer,
+                model_config=config,
+                num_generations=args.generations,
+                sampling=sampling,
+                max_turns=max_turns,
+                total_tokens=total,
+                prompt_width=prompt_width,
+                stop_after=jnp.asarray(lengths),
+            )
+
+        run(0)  # compile
+        latest = []  # the last timed run's episodes
+        seconds = median_seconds(
+            lambda r, run=run, last=latest: last.append(run(r + 1)), args.repeats
+        )
+        episodes = latest[-1]
+        np.testing.assert_array_equal(episodes.turns, episode_turns)
+        used = slots or rows
+        fed = int((episodes.lengths - 1).sum())
+        efficiency = fed / (used * episodes.decode_steps)
+        prompts = kv_cache_bytes(args.prompts, prompt_width, config, jnp.float32)
+        kv = prompts + used * completion_cache_bytes(config, total, jnp.float32)
+        model_tokens = int(episodes.model_mask.sum())
+        results[name] = (
+            used,
+            episodes.decode_steps,
+            episodes.rounds,
+            efficiency,
+            seconds,
+            model_tokens,
+            kv,
+        )
+
+    print(
+        f"preset {args.preset} ({config.num_params / 1e6:.1f}M params, random weights; jgrpo "
+        f"samples with {weights_dtype} weights); {args.prompts} prompts x {args.generations} = "
+        f"{rows} episodes of 1 .. {max_turns} turns (mean {episode_turns.mean():.2f}); each "
+        f"row's turns {int(np.median(lengths))} tokens at the median (log-normal, max "
+        f"{lengths.max()}, max_new_tokens {turn_tokens}), answers of 1 .. {answer_words.max()} "
+        f"words; records of {total} tokens; median of {args.repeats}; jax {jax.__version__} "
+        f"({jax.default_backend()})"
+    )
+    print(
+        f"\n{'engine':<24}{'slots':>6}{'steps':>7}{'rounds':>7}{'efficiency':>12}"
+        f"{'seconds':>9}{'model tok/s':>13}{'KV MiB':>9}{'at once/this':>14}"
+    )
+    at_once = results["every episode at once"][4]
+    for name, (slots, steps, rounds, efficiency, seconds, tokens, kv) in results.items():
+        print(
+            f"{name:<24}{slots:>6}{steps:>7}{rounds:>7}{efficiency:>12.3f}{seconds:>9.2f}"
+            f"{tokens / seconds:>13.0f}{kv / 2**20:>9.1f}{at_once / seconds:>14.2f}"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="tiny")
@@ -334,6 +485,12 @@ def main() -> None:
         help="also time jgrpo with bf16 sampling weights (--ragged: every jgrpo engine)",
     )
     parser.add_argument("--ragged", action="store_true", help="long ragged completions, slots")
+    parser.add_argument(
+        "--turns",
+        type=int,
+        default=0,
+        help="ragged multi-turn episodes of 1 .. TURNS turns in slots (jgrpo alone, no torch)",
+    )
     parser.add_argument(
         "--slots", type=int, nargs="*", default=[], help="--ragged: slot counts (R/2, R/8, R/16)"
     )
@@ -356,6 +513,10 @@ def main() -> None:
     rows = args.prompts * args.generations
     generated = rows * args.new_tokens
 
+    if args.turns:  # jgrpo alone: random weights, no torch
+        model = models.Transformer(config, rngs=nnx.Rngs(0))
+        ragged_turns(args, config, model, prompt_ids)
+        return
     if args.ragged and args.skip_transformers:  # jgrpo alone: random weights, no torch
         ragged(args, config, models.Transformer(config, rngs=nnx.Rngs(0)), None, prompt_ids)
         return

@@ -38,6 +38,7 @@ API = (
         (
             "jgrpo.group_advantages",
             "jgrpo.group_statistics",
+            "jgrpo.zero_signal_groups",
             "jgrpo.GroupStats",
             "jgrpo.grpo_loss",
             "jgrpo.sampler_weights",
@@ -51,15 +52,22 @@ API = (
     ),
     (
         "Sampling and generation",
-        "Completions from a `jgrpo.models` decoder. `rollout` is the compiled program the trainer "
-        "runs on token ids; `generate` wraps it with a tokenizer, text in and text out. "
-        "Shapes: P prompts, G generations per prompt, L prompt length, N new tokens.",
+        "Completions from a `jgrpo.models` decoder. `jgrpo.rollout.rollout` is the compiled "
+        "program the trainer runs on token ids; `generate` wraps it with a tokenizer, text in "
+        "and text out; `run_episodes` plays multi-turn episodes. All of them run the one "
+        "engine of `jgrpo.rollout`: a `DecodeState`, `prepare` and `step`. Shapes: P prompts, "
+        "G generations per prompt, L prompt length, N new tokens.",
         (
-            "jgrpo.rollout",
+            "jgrpo.rollout.rollout",
             "jgrpo.Rollout",
             "jgrpo.SamplingConfig",
             "jgrpo.generate",
             "jgrpo.Generations",
+            "jgrpo.rollout.turns.run_episodes",
+            "jgrpo.rollout.turns.Episodes",
+            "jgrpo.rollout.DecodeState",
+            "jgrpo.rollout.prepare",
+            "jgrpo.rollout.step",
         ),
     ),
     (

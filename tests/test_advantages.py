@@ -1,4 +1,4 @@
-"""group_advantages / group_statistics against the worked example and a numpy reference."""
+"""group_advantages, group_statistics and zero_signal_groups against worked examples and numpy."""
 
 import chex
 import jax
@@ -172,6 +172,53 @@ def test_group_statistics_values():
     np.testing.assert_allclose(stats.mean, [2.0, 5.0, 2.0, 0.0])
     np.testing.assert_allclose(stats.std, [np.sqrt(2.0), 0.0, 0.0, 0.0], rtol=1e-6)
     np.testing.assert_array_equal(stats.degenerate, [False, True, True, True])
+
+
+def test_zero_signal_groups_by_hand():
+    """Ragged groups in shuffled order; group 5 has no rows at all."""
+    rewards = jnp.array([2.0, 1.0, 0.0, 1.0, 3.0, 1.0, 9.0, 1.0, 5.0, 0.0, 4.0, 2.0])
+    group_ids = jnp.array([4, 0, 1, 0, 2, 4, 1, 0, 3, 1, 2, 4])
+    valid = jnp.array([1, 1, 1, 1, 0, 1, 0, 1, 1, 1, 0, 1], bool)
+    # 0: rewards 1, 1, 1 -> equal. 1: 0, (9 invalid), 0 -> equal once the 9 is left out.
+    # 2: (3, 4) both invalid -> no valid row. 3: a single row. 4: 2, 1, 2 -> signal.
+    expected = [True, True, True, True, False, True]
+    flags = jgrpo.zero_signal_groups(rewards, group_ids, 6, valid=valid)
+    np.testing.assert_array_equal(flags, expected)
+    np.testing.assert_array_equal(
+        jgrpo.group_statistics(rewards, group_ids, 6, valid=valid).degenerate, expected
+    )
+    # Without the mask group 1 (0, 9, 0) and group 2 (3, 4) have signal.
+    np.testing.assert_array_equal(
+        jgrpo.zero_signal_groups(rewards, group_ids, 6), [True, False, False, True, False, True]
+    )
+    # No signal means advantage 0 for every member, whatever the scale; signal, a nonzero one.
+    for scale in ("group", "batch", "none"):
+        advantages = np.asarray(
+            jgrpo.group_advantages(rewards, group_ids, 6, valid=valid, scale=scale)
+        )
+        for group, flat in enumerate(expected):
+            assert np.all(advantages[np.asarray(group_ids) == group] == 0) == flat, scale
+    # A valid NaN reward is not "all equal": the group keeps its signal (and NaN advantages).
+    nan = jgrpo.zero_signal_groups(jnp.array([jnp.nan, 1.0]), jnp.array([0, 0]), 1)
+    np.testing.assert_array_equal(nan, [False])
+
+
+def test_zero_signal_groups_under_jit_match_fixed_size_groups():
+    """Prompt-major rows, G per group, as the trainer holds them: the numpy reshape to [-1, G]
+    the trainer used before gives the same flags (a group with no valid row: no signal)."""
+    rng = np.random.default_rng(0)
+    g, groups = 4, 64
+    rewards = rng.integers(0, 2, groups * g).astype(np.float32)  # equal rewards are common
+    valid = rng.random(groups * g) < 0.7
+    valid[:g] = False  # group 0 has no valid row
+    high = np.where(valid, rewards, -np.inf).reshape(-1, g).max(axis=1)
+    low = np.where(valid, rewards, np.inf).reshape(-1, g).min(axis=1)
+    group_ids = jnp.asarray(np.arange(groups * g) // g, jnp.int32)
+    flags = jax.jit(jgrpo.zero_signal_groups, static_argnums=2)(
+        rewards, group_ids, groups, valid=valid
+    )
+    np.testing.assert_array_equal(flags, ~(high > low))
+    assert flags[0] and 0 < flags.sum() < groups
 
 
 def test_clip():

@@ -66,7 +66,7 @@ def test_a_cond_with_products_is_refused():
 
 
 def test_decode_trips_cover_every_step_after_the_prefill_token():
-    assert decode_trips(64, 4) == [16, 16, 16, 15]  # jgrpo.sampling.attention_phases(64)
+    assert decode_trips(64, 4) == [16, 16, 16, 15]  # jgrpo.rollout.attention_phases(64)
     assert decode_trips(64, 1) == [63]
     assert decode_trips(8, 1) == [7]
     with pytest.raises(ValueError, match="2 while loops, attention_phases 4"):

@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 from tiny_hf import FAMILIES, VOCAB
 
+from jgrpo.models.attention import grouped_query_attention
+from jgrpo.models.embedding import logits_from_hidden
 from jgrpo.models.group_decode import (
     decode_layers,
     decode_logits,
@@ -16,12 +18,8 @@ from jgrpo.models.group_decode import (
     unembedding_rows,
 )
 from jgrpo.models.hf import from_pretrained
-from jgrpo.models.transformer import (
-    forward,
-    grouped_query_attention,
-    logits_from_hidden,
-    with_matmul_weights,
-)
+from jgrpo.models.precision import with_matmul_weights
+from jgrpo.models.transformer import forward
 
 
 @pytest.mark.parametrize("batched_dots", [False, True])
@@ -123,6 +121,7 @@ def test_prefill_then_group_decode_equals_full_forward(family, matmul_dtype, hf_
     # the suite's level 0 (tests/xla_flags.py) XLA:CPU on a host with avx512_bf16 (AMD EPYC,
     # 2026-12-04) rounded this bf16 forward's products differently (qwen3: a mean gap of
     # 2.3e-4 to the level-1 and level-2 programs, which agree exactly), far above the gap below.
+
     def full_forward(params):
         program = forward.lower(params, sequence, attention_mask=mask, config=config)
         compiled = program.compile({"xla_backend_optimization_level": 2})

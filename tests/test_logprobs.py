@@ -190,7 +190,7 @@ def test_chunked_keeps_parameter_dtypes_for_bf16():
 
 
 def test_chunked_with_a_bf16_table_for_f32_hidden_states():
-    """Mixed precision (`jgrpo.models.transformer.with_matmul_weights`): the hidden states are
+    """Mixed precision (`jgrpo.models.precision.with_matmul_weights`): the hidden states are
     rounded to the table's bf16 and the logits summed in f32, forward and backward. Values
     equal scoring the rounded product; the gradients differ from the rounded problem's exact
     ones only by the bf16 rounding of the logits' cotangent (bound below)."""

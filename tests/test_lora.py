@@ -28,7 +28,7 @@ from jgrpo.models.lora import (
     with_adapters,
 )
 from jgrpo.models.transformer import Transformer, forward
-from jgrpo.sampling import SamplingConfig, rollout
+from jgrpo.rollout import SamplingConfig, rollout
 from jgrpo.sharding import tree_shardings
 from jgrpo.tasks import Task
 from jgrpo.update import UpdateConfig, completion_logprobs, init_state, make_optimizer, train_step

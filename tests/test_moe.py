@@ -19,12 +19,8 @@ from jgrpo.metrics import read_metrics
 from jgrpo.models.config import ModelConfig
 from jgrpo.models.group_forward import group_completion_hidden
 from jgrpo.models.hf import from_pretrained
-from jgrpo.models.transformer import (
-    forward,
-    layer_param_specs,
-    load_balancing_loss,
-    mixture_of_experts,
-)
+from jgrpo.models.mlp import load_balancing_loss, mixture_of_experts
+from jgrpo.models.transformer import forward, layer_param_specs
 from jgrpo.packing import completion_lengths, pack_completions, rows_needed
 from jgrpo.setup import Setup
 from jgrpo.sharding import (

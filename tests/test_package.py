@@ -19,6 +19,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 PUBLIC = [
     "group_advantages",
     "group_statistics",
+    "zero_signal_groups",
     "grpo_loss",
     "token_kl",
     "sequence_kl",

@@ -12,12 +12,12 @@ import torch
 from tiny_hf import VOCAB
 
 import jgrpo
-from jgrpo import sampling as sampling_module
 from jgrpo.generation import bucket_length, pad_prompts
 from jgrpo.models.group_decode import cache_bytes_per_slot
 from jgrpo.models.hf import from_pretrained
-from jgrpo.models.transformer import forward, with_matmul_weights
-from jgrpo.sampling import (
+from jgrpo.models.precision import with_matmul_weights
+from jgrpo.models.transformer import forward
+from jgrpo.rollout import (
     SamplingConfig,
     attention_phases,
     categorical,
@@ -25,6 +25,8 @@ from jgrpo.sampling import (
     kv_cache_bytes,
     rollout,
 )
+from jgrpo.rollout import memory as phases_module
+from jgrpo.rollout import sampler as sampling_module
 from jgrpo.sharding import make_mesh, rules_context
 
 PROMPT_LENGTHS = [5, 9, 3]
@@ -354,7 +356,7 @@ def test_attention_phases():
     assert attention_phases(300) == [80, 160, 240, 300]  # windows of ceil(300 / 4) -> 80 slots
     assert attention_phases(257) == [72, 144, 216, 257]
     # A small completion cache decodes in one phase; from the threshold on, in four.
-    threshold = sampling_module.PHASED_DECODE_MIN_CACHE_BYTES
+    threshold = phases_module.PHASED_DECODE_MIN_CACHE_BYTES
     assert attention_phases(64, cache_bytes=threshold - 1) == [64]
     assert attention_phases(64, cache_bytes=threshold) == [16, 32, 48, 64]
 
@@ -374,8 +376,8 @@ def test_the_phase_rule_weighs_the_completion_caches_one_device_holds(hf_checkpo
             assert kv_cache_bytes(rows, slots, config, jnp.float32) == whole // share
 
     # Threshold between one device's share and the whole: one phase on data = 8, three alone.
-    monkeypatch.setattr(sampling_module, "PHASED_DECODE_MIN_TOKENS", 1)
-    monkeypatch.setattr(sampling_module, "PHASED_DECODE_MIN_CACHE_BYTES", whole // 2)
+    monkeypatch.setattr(phases_module, "PHASED_DECODE_MIN_TOKENS", 1)
+    monkeypatch.setattr(phases_module, "PHASED_DECODE_MIN_CACHE_BYTES", whole // 2)
     ids, mask = prompts(lengths=[5, 9, 3, 4, 6, 7, 2, 8])  # 8 prompts x G = 2: 16 rows
     args = (model.params(), jnp.asarray(ids), jnp.asarray(mask), jax.random.key(0))
     kwargs = dict(
@@ -405,8 +407,8 @@ def test_phased_decode_samples_exactly_what_one_phase_samples(family, hf_checkpo
     kwargs = dict(model_config=model.config, num_generations=4, sampling=config)
     results, phases, loops = {}, {}, {}
     for name, threshold in (("phased", 1), ("one phase", 10**6)):
-        monkeypatch.setattr(sampling_module, "PHASED_DECODE_MIN_TOKENS", threshold)
-        monkeypatch.setattr(sampling_module, "PHASED_DECODE_MIN_CACHE_BYTES", 0)
+        monkeypatch.setattr(phases_module, "PHASED_DECODE_MIN_TOKENS", threshold)
+        monkeypatch.setattr(phases_module, "PHASED_DECODE_MIN_CACHE_BYTES", 0)
         phases[name] = attention_phases(24, cache_bytes=1)
         # A new function, so that jit traces it anew (its trace cache is keyed by function).
         program = jax.jit(
@@ -470,7 +472,7 @@ def test_the_decode_loop_evaluates_no_sine_or_cosine(hf_checkpoint):
 def test_a_bf16_cache_is_written_in_place(hf_checkpoint):
     """A bf16 model's decode loop writes its slot of each completion buffer without widening
     the buffer to f32: XLA:CPU did so around a bf16 dynamic-update-slice, two copies of the
-    whole cache for every token (`jgrpo.models.transformer.write_slice`)."""
+    whole cache for every token (`jgrpo.models.precision.write_slice`)."""
     model = from_pretrained(hf_checkpoint("qwen2")[0], dtype=jnp.bfloat16)
     c, generations, new_tokens = model.config, 2, 8
     ids, mask = prompts()

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec
 from jgrpo import models
 from jgrpo.losses import grpo_loss
 from jgrpo.metrics import read_metrics
-from jgrpo.sampling import SamplingConfig, rollout
+from jgrpo.rollout import SamplingConfig, rollout
 from jgrpo.sharding import (
     MeshError,
     logical_spec,

@@ -15,7 +15,7 @@ from jgrpo.metrics import read_metrics
 from jgrpo.models.group_decode import cache_bytes_per_slot
 from jgrpo.models.hf import from_pretrained
 from jgrpo.plan import plan_memory
-from jgrpo.sampling import SamplingConfig, rollout
+from jgrpo.rollout import SamplingConfig, rollout
 from jgrpo.setup import Setup
 
 EOS = 2

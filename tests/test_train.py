@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from jgrpo import train as train_module
+from jgrpo.collect import zero_signal_of
 from jgrpo.config import load_config
 from jgrpo.metrics import read_metrics
 from jgrpo.rewards import RewardError
@@ -832,7 +833,7 @@ def test_dynamic_sampling_replaces_groups_without_signal(tmp_path):
     groups, metrics, position = trainer.collect(params, None, jax.random.key(0), 0)
     g = config.rollout.num_generations
     assert len(groups.rewards) == 4 * g
-    assert not train_module.zero_signal(groups.rewards, groups.valid, g).any()
+    assert not zero_signal_of(groups, g).any()
     assert all(int(p[0]) % 2 == 1 for p in groups.prompts)
     assert metrics["dynamic/extra_rollouts"] >= 1 and position == 4 * (
         1 + metrics["dynamic/extra_rollouts"]
@@ -845,7 +846,7 @@ def test_dynamic_sampling_replaces_groups_without_signal(tmp_path):
     )
     trainer = train_module.Trainer(config, task)
     groups, metrics, _ = trainer.collect(params, None, jax.random.key(0), 0)
-    flat = train_module.zero_signal(groups.rewards, groups.valid, g)
+    flat = zero_signal_of(groups, g)
     assert metrics["dynamic/zero_signal_kept"] == flat.sum() > 0
     advantages = trainer.advantages(groups).reshape(-1, g)
     np.testing.assert_array_equal(advantages[flat], 0.0)

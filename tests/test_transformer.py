@@ -13,22 +13,19 @@ from jax.ad_checkpoint import print_saved_residuals
 from tiny_hf import FAMILIES, VOCAB
 
 import jgrpo
-from jgrpo.models.config import preset
-from jgrpo.models.hf import from_pretrained
-from jgrpo.models.transformer import (
+from jgrpo.models.attention import (
     _MASKED,
-    Transformer,
     attention_inputs,
-    forward,
-    gated_projection,
-    init_cache,
     inverse_frequencies,
-    normed_projections,
-    project_each,
-    rms_norm,
     rope_tables,
     softmax,
 )
+from jgrpo.models.config import preset
+from jgrpo.models.hf import from_pretrained
+from jgrpo.models.mlp import gated_projection
+from jgrpo.models.primitives import rms_norm
+from jgrpo.models.projection import normed_projections, project_each
+from jgrpo.models.transformer import Transformer, forward, init_cache
 
 
 def batch(seed=0, length=11):
@@ -363,7 +360,9 @@ def test_shallow_models_scan_when_the_mesh_splits_their_weights(mesh_shape, scan
 
 
 def test_bf16_weight_matrices_multiply_rounded_inputs_and_sum_in_f32():
-    from jgrpo.models.transformer import logits_from_hidden, project, with_matmul_weights
+    from jgrpo.models.embedding import logits_from_hidden
+    from jgrpo.models.precision import with_matmul_weights
+    from jgrpo.models.projection import project
 
     config = preset("tiny").replace(tie_word_embeddings=True)
     params = Transformer(config, rngs=nnx.Rngs(0)).params()
@@ -395,7 +394,7 @@ def test_forward_matmul_dtype_equals_forward_over_cast_weights(scanned, monkeypa
     computes exactly what a forward over `with_matmul_weights(params, bf16)` computes, with
     and without a KV cache, scanned or unrolled."""
     from jgrpo import models
-    from jgrpo.models.transformer import with_matmul_weights
+    from jgrpo.models.precision import with_matmul_weights
 
     if scanned:
         monkeypatch.setattr(models.transformer, "MAX_UNROLLED_LAYERS", 0)
@@ -438,7 +437,7 @@ def test_a_bf16_kv_cache_is_written_in_place():
 def test_mixed_matmul_rounds_operands_and_cotangent_and_sums_in_f32():
     """Forward and backward are bf16 products of the rounded operands (the cotangent rounded
     too), summed in f32; the f32 operand's gradient stays f32."""
-    from jgrpo.models.transformer import mixed_matmul
+    from jgrpo.models.precision import mixed_matmul
 
     def rounded(a):  # bf16 values, exactly, in f64
         return np.asarray(jnp.asarray(a).astype(jnp.bfloat16).astype(jnp.float32), np.float64)
@@ -461,7 +460,7 @@ def test_mixed_matmul_backward_multiplies_only_bf16_operands():
     """On CPU the backward's transposed operands are written out in row-major order, so no
     product of the compiled program falls back to f32 operands (XLA:CPU's fast bf16
     products take only untransposed operands)."""
-    from jgrpo.models.transformer import mixed_matmul
+    from jgrpo.models.precision import mixed_matmul
 
     def loss(a, b):
         return (mixed_matmul(a, b) ** 2).sum()

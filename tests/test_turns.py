@@ -12,14 +12,17 @@ from tiny_hf import save_char_checkpoint
 from transformers import AutoTokenizer
 
 import jgrpo
+from jgrpo import train as train_module
+from jgrpo.config import load_config
 from jgrpo.generation import pad_prompts
+from jgrpo.metrics import read_metrics
 from jgrpo.models.config import preset
 from jgrpo.models.hf import from_pretrained
 from jgrpo.models.transformer import Transformer
-from jgrpo.sampling import SamplingConfig
+from jgrpo.rollout import SamplingConfig
+from jgrpo.rollout.turns import context_after_turn, run_episodes
 from jgrpo.tasks.arithmetic import text_tokenizer
 from jgrpo.tools import EnvironmentStep
-from jgrpo.turns import context_after_turn, run_episodes
 from jgrpo.update import Batch, UpdateConfig, init_state, train_step
 
 
@@ -47,11 +50,23 @@ def char_model(tmp_path_factory):
 PROMPTS = ["1+2=", "30+4="]
 
 
-def episodes(char_model, *, max_turns=4, total_tokens=96, max_new_tokens=12, turns=3, key=0):
+def episodes(
+    char_model,
+    *,
+    max_turns=4,
+    total_tokens=96,
+    max_new_tokens=12,
+    turns=3,
+    key=0,
+    max_concurrent=0,
+):
     model, tokenizer = char_model
     stops = (tokenizer.eos_token_id, *tokenizer.convert_tokens_to_ids(["x", "q", "7"]))
     sampling = SamplingConfig(
-        max_new_tokens=max_new_tokens, stop_token_ids=stops, pad_token_id=tokenizer.pad_token_id
+        max_new_tokens=max_new_tokens,
+        stop_token_ids=stops,
+        pad_token_id=tokenizer.pad_token_id,
+        max_concurrent=max_concurrent,
     )
     return run_episodes(
         model.params(),
@@ -135,6 +150,42 @@ def test_limits_end_episodes_as_truncated(char_model):
     per_turn = episodes(char_model, max_new_tokens=3, turns=9, max_turns=9)
     drawn = [m["content"] for c in per_turn.conversations for m in c if m["role"] == "assistant"]
     assert max(len(text) for text in drawn) <= 3  # a turn holds at most max_new_tokens tokens
+
+
+EPISODE_RECORDS = (
+    "tokens",
+    "mask",
+    "model_mask",
+    "lengths",
+    "truncated",
+    "turns",
+    "tool_calls",
+    "out_of_turns",
+    "out_of_tokens",
+)
+
+
+@pytest.mark.parametrize("slots", [1, 4])
+def test_episodes_in_slots_write_what_every_row_at_once_writes(char_model, slots):
+    """Episodes in S slots (each holds its slot from its first turn to its last, and the next
+    episode takes it when it ends; the host answers the turns of the slots that wait) give
+    the same records and conversations as every row at once: a row's tokens depend on the
+    seed, the prompt and the row only. Log-probs to float rounding (the decode step's
+    shapes change with S, `test_slots`). One slot idles only while the host answers it, so
+    its decode steps are exactly the tokens fed: every written token but each row's last."""
+    everything = episodes(char_model, turns=4, max_turns=4)
+    result = episodes(char_model, turns=4, max_turns=4, max_concurrent=slots)
+    assert len(set(everything.lengths.tolist())) >= 4 and set(everything.turns.tolist()) >= {1, 4}
+    for name in EPISODE_RECORDS:
+        np.testing.assert_array_equal(getattr(result, name), getattr(everything, name), name)
+    assert result.conversations == everything.conversations
+    for name in ("logprobs", "sampler_logprobs"):
+        np.testing.assert_allclose(
+            getattr(result, name), getattr(everything, name), atol=2e-6, rtol=0
+        )
+    assert (everything.slots, result.slots) == (6, slots)
+    if slots == 1:
+        assert result.decode_steps == int((everything.lengths - 1).sum())
 
 
 def test_the_same_key_gives_the_same_episodes(char_model):
@@ -243,10 +294,6 @@ def test_a_multi_turn_task_trains_on_its_episodes(tmp_path, count_compiles):
     """The lookup demo's task through the trainer: episodes collected with its environment,
     the update trained on the model's tokens only, the episode metrics logged, greedy
     episodes evaluated; nothing compiles after step 1."""
-    from jgrpo import train as train_module
-    from jgrpo.config import load_config
-    from jgrpo.metrics import read_metrics
-
     config = load_config(None, [*LOOKUP, f"train.run_dir={tmp_path}"])
     trainer = train_module.Trainer(config)
     params = trainer.initial_params()
@@ -280,6 +327,40 @@ def test_a_multi_turn_task_trains_on_its_episodes(tmp_path, count_compiles):
     assert all(1 <= line["turns/mean"] <= 2 for line in lines)
 
 
+def test_training_on_episodes_in_slots_equals_every_row_at_once(tmp_path, count_compiles):
+    """The lookup task's training (episodes of 2 turns, greedy eval episodes) with
+    rollout.max_concurrent=3 gives the parameters and training metrics of every row at once;
+    only the rollout's own figures differ (slots, decode steps, efficiency, speeds;
+    `sampler/gap` to float rounding). Nothing compiles after step 1."""
+    runs = {}
+    for slots in (0, 3):
+        run_dir = tmp_path / str(slots)
+        config = load_config(
+            None, [*LOOKUP, f"rollout.max_concurrent={slots}", f"train.run_dir={run_dir}"]
+        )
+        compiles = {}
+        on_step = lambda step, _, compiles=compiles: compiles.update(  # noqa: E731
+            {step: count_compiles()}
+        )
+        result = train_module.train(config, on_step=on_step)
+        assert compiles[3] == compiles[1]
+        runs[slots] = (read_metrics(run_dir), result.state.params)
+    jax.tree.map(np.testing.assert_array_equal, runs[0][1], runs[3][1])
+    for every_row, slotted in zip(runs[0][0], runs[3][0], strict=True):
+        assert every_row.keys() == slotted.keys()
+        for name in every_row:
+            if name.startswith(("time/", "rollout/")) or name in ("sampler/gap", "tokens_per_s"):
+                continue
+            assert every_row[name] == slotted[name], (every_row["step"], name)
+        assert abs(every_row["sampler/gap"] - slotted["sampler/gap"]) < 1e-6
+        assert (every_row["rollout/concurrent"], slotted["rollout/concurrent"]) == (16, 3)
+        rows = 16
+        tokens = every_row["completion_len/mean"] * rows
+        for line in (every_row, slotted):
+            steps = line["rollout/concurrent"] * line["rollout/decode_steps"]
+            assert line["rollout/slot_efficiency"] == pytest.approx((tokens - rows) / steps)
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
@@ -291,18 +372,14 @@ def test_a_multi_turn_task_trains_on_its_episodes(tmp_path, count_compiles):
     ],
 )
 def test_turn_settings_must_match_the_task(tmp_path, overrides, message):
-    from jgrpo.config import ConfigError, load_config
+    from jgrpo.config import ConfigError
     from jgrpo.setup import Setup
 
     with pytest.raises(ConfigError, match=message):
         Setup(load_config(None, [*LOOKUP, f"train.run_dir={tmp_path}", *overrides]))
 
 
-def test_multi_turn_episodes_decode_every_row_at_once():
-    from jgrpo.config import ConfigError, load_config
-
-    with pytest.raises(ConfigError, match="multi-turn episodes .* decode every row at once"):
-        load_config(None, ["rollout.max_turns=2", "rollout.max_concurrent=4"])
+def test_multi_turn_episodes_hold_their_turns_and_answers():
     assert load_config(None, ["rollout.max_turns=3"]).rollout.completion_tokens == 3 * 128
     assert (
         load_config(

@@ -9,8 +9,9 @@ from flax import nnx
 
 import jgrpo
 from jgrpo.models.config import preset
-from jgrpo.models.transformer import Transformer, with_rounded_weights
-from jgrpo.sampling import SamplingConfig, rollout
+from jgrpo.models.precision import with_rounded_weights
+from jgrpo.models.transformer import Transformer
+from jgrpo.rollout import SamplingConfig, rollout
 from jgrpo.update import (
     Batch,
     UpdateConfig,

@@ -7,7 +7,8 @@ wrong type or an impossible value names the field and what would be accepted. Ea
 carries a one-line description, which `format_help()` lists with the defaults.
 
 Which file holds what (to change an option, edit its section's file: its field, default,
-description and `check()` are there; docs/config.md is generated from them):
+description and `check()` are there, except the rules `algorithm` shares with the update, which
+`jgrpo.update.check_update_settings` holds; docs/config.md is generated from them):
 
 - `fields.py`: ConfigError, check_dtype, option (the helpers every section uses)
 - one file per section, named after it: `model.py`, `task.py` (with TASKS), `reward_model.py`,

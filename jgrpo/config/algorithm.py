@@ -15,6 +15,7 @@ from jgrpo.losses import (
     SAMPLER_CORRECTION_LEVELS,
     SAMPLER_CORRECTION_MODES,
 )
+from jgrpo.update import check_update_settings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,14 +128,12 @@ class AlgorithmSection:
             raise ConfigError(f"algorithm.beta must be >= 0 (0 = off), got {self.beta}.")
         if not 0 < self.clip_eps < 1:
             raise ConfigError(f"algorithm.clip_eps must be in (0, 1), got {self.clip_eps}.")
-        for name in (
-            "num_iterations",
-            "num_minibatches",
-            "grad_accumulation",
-            "completion_buckets",
-        ):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"algorithm.{name} must be >= 1, got {getattr(self, name)}.")
+        # The settings the update checks too: its rules, named as this section's fields.
+        check_update_settings(self, prefix="algorithm.", none="null", error=ConfigError)
+        if self.completion_buckets < 1:
+            raise ConfigError(
+                f"algorithm.completion_buckets must be >= 1, got {self.completion_buckets}."
+            )
         if not self.router_aux_loss_coef >= 0:
             raise ConfigError(
                 f"algorithm.router_aux_loss_coef must be >= 0 (0 = off), got "
@@ -143,22 +142,6 @@ class AlgorithmSection:
         for name in ("max_extra_rollouts", "overlong_buffer"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"algorithm.{name} must be >= 0, got {getattr(self, name)}.")
-        if not self.sampler_correction_cap >= 1:
-            raise ConfigError(
-                "algorithm.sampler_correction_cap must be >= 1 (the largest weight), got "
-                f"{self.sampler_correction_cap}."
-            )
-        if not 0 <= self.sampler_correction_floor <= 1:
-            raise ConfigError(
-                "algorithm.sampler_correction_floor must be in [0, 1] (0 = no lower bound; "
-                "above 1 it would cut the sampler's own tokens), got "
-                f"{self.sampler_correction_floor}."
-            )
-        if self.dual_clip is not None and self.policy_loss != "clip":
-            raise ConfigError(
-                "algorithm.dual_clip bounds the clipped policy term, so it needs "
-                f"algorithm.policy_loss=clip, not {self.policy_loss}; set algorithm.dual_clip=null."
-            )
         if not self.cispo_max_ratio >= 1:
             raise ConfigError(
                 f"algorithm.cispo_max_ratio must be >= 1 (the largest weight), got "
@@ -167,18 +150,6 @@ class AlgorithmSection:
         for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"algorithm.{name} must be > 0, got {getattr(self, name)}.")
-        high = self.clip_eps if self.clip_eps_high is None else self.clip_eps_high
-        if self.dual_clip is not None and not self.dual_clip > 1 + high:
-            raise ConfigError(
-                f"algorithm.dual_clip must be > 1 + clip_eps_high = {1 + high} (the ratio above "
-                f"which negative-advantage tokens stop), got {self.dual_clip}; set it higher "
-                "(verl uses 3.0) or to null."
-            )
-        if self.off_policy_mask_threshold is not None and not self.off_policy_mask_threshold >= 0:
-            raise ConfigError(
-                "algorithm.off_policy_mask_threshold must be >= 0 (a mean log-ratio per token; "
-                f"null = off), got {self.off_policy_mask_threshold}."
-            )
         if self.ref_sync_steps < 0:
             raise ConfigError(
                 f"algorithm.ref_sync_steps must be >= 0 (0 = off), got {self.ref_sync_steps}."
@@ -191,11 +162,6 @@ class AlgorithmSection:
         if not 0 < self.ref_sync_alpha <= 1:
             raise ConfigError(
                 f"algorithm.ref_sync_alpha must be in (0, 1], got {self.ref_sync_alpha}."
-            )
-        if not 0 < self.top_entropy_quantile <= 1:
-            raise ConfigError(
-                "algorithm.top_entropy_quantile must be in (0, 1] (the share of tokens the policy "
-                f"term trains on; 1 = all), got {self.top_entropy_quantile}."
             )
         if self.kl_in_reward and self.beta == 0:
             raise ConfigError("algorithm.kl_in_reward needs algorithm.beta > 0 (its weight).")

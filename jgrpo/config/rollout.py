@@ -30,8 +30,8 @@ class RolloutSection:
     )
     max_concurrent: int = option(
         0,
-        "sequences decoding at once: when one stops, the step's next waiting sequence takes "
-        "its slot (on device); 0 = every sequence of the step at once",
+        "sequences decoding at once: when one stops (multi-turn: when its episode ends), the "
+        "step's next waiting sequence takes its slot; 0 = every sequence of the step at once",
     )
     max_turns: int = option(
         1,
@@ -45,8 +45,8 @@ class RolloutSection:
     )
     kv_cache_mib: float | None = option(
         None,
-        "KV cache per device (prompts + completion slots): chooses max_concurrent, the most "
-        "slots that fit; None = no budget",
+        "KV cache per device (prompts + completion slots of completion_tokens each): chooses "
+        "max_concurrent, the most slots that fit; None = no budget",
     )
 
     @property
@@ -76,11 +76,6 @@ class RolloutSection:
             raise ConfigError(
                 f"rollout.max_turns must be >= 1 and rollout.max_total_tokens >= 0 (0: "
                 f"max_turns x max_new_tokens); got {self.max_turns}, {self.max_total_tokens}."
-            )
-        if self.max_turns > 1 and (self.max_concurrent or self.kv_cache_mib is not None):
-            raise ConfigError(
-                "multi-turn episodes (rollout.max_turns > 1) decode every row at once: set "
-                "rollout.max_concurrent=0 and rollout.kv_cache_mib=null."
             )
         if self.max_concurrent < 0:
             raise ConfigError(
